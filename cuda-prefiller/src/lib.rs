@@ -1,0 +1,1 @@
+//! k3-prefill: the GPU node's library.

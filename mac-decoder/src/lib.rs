@@ -1,0 +1,1 @@
+//! k3-decode: the decoder node's library.

@@ -1,0 +1,22 @@
+//! k3-protocol: the contract both k3-offload nodes share.
+//!
+//! - [`config`]: the release `config.json`, typed and validated, and the per-layer plan.
+//! - [`tensors`]: every checkpoint tensor derived from the config (names, shapes, dtypes).
+//! - [`checkpoint`]: the safetensors index and shards through memmap2, checked up front.
+//! - [`mxfp4`]: the compressed-tensors MXFP4 layout, decoded bit-exactly.
+//! - [`fingerprint`]: the model fingerprint both nodes compare.
+//! - [`handoff`]: the canonical hand-off state and its session file.
+//! - [`testdata`]: where the golden sets live in this repository.
+
+pub mod checkpoint;
+pub mod config;
+pub mod fingerprint;
+pub mod handoff;
+pub mod mxfp4;
+pub mod tensors;
+pub mod testdata;
+
+pub use checkpoint::{Checkpoint, CheckpointError, TensorView};
+pub use config::{AttnKind, FfnKind, K3Config, LayerSpec, TextConfig, VisionConfig};
+pub use fingerprint::Fingerprint;
+pub use handoff::{HandoffState, KdaState, LayerState, MlaState};

@@ -1,0 +1,1 @@
+//! Helpers for the workspace-level end-to-end tests.
