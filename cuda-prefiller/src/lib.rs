@@ -1,1 +1,3 @@
 //! k3-prefill: the GPU node's library.
+
+pub mod cli;

@@ -1,1 +1,45 @@
-fn main() {}
+//! `k3-prefill`: the GPU node of k3-offload.
+
+use clap::{Parser, Subcommand};
+use cuda_prefiller::cli;
+
+#[derive(Parser)]
+#[command(name = "k3-prefill", version, about = "Kimi K3 layer-major prefill node (CUDA or CPU reference)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write a random K3 model in the exact release layout.
+    Synth(cli::synth::Args),
+    /// Load and validate a checkpoint; print its plan and derived sizes.
+    Inspect(cli::inspect::Args),
+    /// Prefill one prompt; write logits and the hand-off state (golden tensor names).
+    Forward(cli::forward::Args),
+    /// Prefill throughput benchmark.
+    Bench(cli::bench::Args),
+    /// Serve prefill requests from paired decoders over QUIC.
+    Serve(cli::serve::Args),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let res = match Cli::parse().cmd {
+        Cmd::Synth(a) => cli::synth::run(a),
+        Cmd::Inspect(a) => cli::inspect::run(a),
+        Cmd::Forward(a) => cli::forward::run(a),
+        Cmd::Bench(a) => cli::bench::run(a),
+        Cmd::Serve(a) => cli::serve::run(a),
+    };
+    if let Err(e) = res {
+        eprintln!("k3-prefill: error: {e:#}");
+        std::process::exit(1);
+    }
+}

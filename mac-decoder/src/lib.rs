@@ -1,1 +1,3 @@
 //! k3-decode: the decoder node's library.
+
+pub mod cli;

@@ -1,1 +1,39 @@
-fn main() {}
+//! `k3-decode`: the decoder node of k3-offload.
+
+use clap::{Parser, Subcommand};
+use mac_decoder::cli;
+
+#[derive(Parser)]
+#[command(name = "k3-decode", version, about = "Kimi K3 decoder node (MLX)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate tokens from a prompt (local or remote prefill) or from a hand-off state.
+    Generate(cli::generate::Args),
+    /// Encode an image with MoonViT-V2 and the projector.
+    EncodeImage(cli::encode_image::Args),
+    /// OpenAI-compatible HTTP server.
+    Serve(cli::serve::Args),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let res = match Cli::parse().cmd {
+        Cmd::Generate(a) => cli::generate::run(a),
+        Cmd::EncodeImage(a) => cli::encode_image::run(a),
+        Cmd::Serve(a) => cli::serve::run(a),
+    };
+    if let Err(e) = res {
+        eprintln!("k3-decode: error: {e:#}");
+        std::process::exit(1);
+    }
+}

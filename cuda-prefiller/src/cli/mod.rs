@@ -1,0 +1,7 @@
+//! The `k3-prefill` subcommands, one module each.
+
+pub mod bench;
+pub mod forward;
+pub mod inspect;
+pub mod serve;
+pub mod synth;

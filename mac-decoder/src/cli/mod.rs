@@ -1,0 +1,5 @@
+//! The `k3-decode` subcommands, one module each.
+
+pub mod encode_image;
+pub mod generate;
+pub mod serve;
