@@ -1,3 +1,4 @@
 //! k3-prefill: the GPU node's library.
 
+pub mod backend;
 pub mod cli;
