@@ -6,6 +6,7 @@
 //! - [`mxfp4`]: the compressed-tensors MXFP4 layout, decoded bit-exactly.
 //! - [`fingerprint`]: the model fingerprint both nodes compare.
 //! - [`handoff`]: the canonical hand-off state and its session file.
+//! - [`synth`]: synthetic models in the release layout (presets of spec §6), and their tokenizer.
 //! - [`testdata`]: where the golden sets live in this repository.
 
 pub mod checkpoint;
@@ -13,6 +14,7 @@ pub mod config;
 pub mod fingerprint;
 pub mod handoff;
 pub mod mxfp4;
+pub mod synth;
 pub mod tensors;
 pub mod testdata;
 

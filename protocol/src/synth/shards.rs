@@ -1,0 +1,221 @@
+//! Streaming safetensors shards. The tensor list is planned first (shard boundaries by a size
+//! limit, each shard's header with its data offsets), so every shard's header is written
+//! before its data; then the tensors are generated batch by batch on the rayon pool and written
+//! in order by one writer thread. Memory stays bounded by a few batches, whatever the model size.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+
+use super::weights::{self, Unit};
+use super::SynthError;
+use crate::tensors::TensorSpec;
+
+/// Output bytes per generation batch (the pipeline holds at most about three).
+const BATCH_BYTES: usize = 96 << 20;
+/// Units per batch at most.
+const BATCH_UNITS: usize = 512;
+
+/// One planned shard: which tensors it holds and its header bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardPlan {
+    pub file: String,
+    /// Tensors `first..end` of the planned list.
+    pub first: usize,
+    pub end: usize,
+    /// The 8-byte length prefix and the JSON header, padded with spaces to a multiple of 8.
+    pub header: Vec<u8>,
+    pub data_bytes: u64,
+}
+
+/// Shard file name in the release convention.
+pub fn shard_file_name(i: usize, n: usize) -> String {
+    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+}
+
+/// The safetensors header of `specs` laid out back to back, in order.
+pub fn header_bytes(specs: &[TensorSpec]) -> Vec<u8> {
+    let mut json = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
+    let mut off = 0usize;
+    for s in specs {
+        let end = off + s.nbytes();
+        let shape: Vec<String> = s.shape.iter().map(|d| d.to_string()).collect();
+        json.push_str(&format!(
+            ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{off},{end}]}}",
+            serde_json::to_string(&s.name).expect("a string serialises"),
+            s.dtype.name(),
+            shape.join(",")
+        ));
+        off = end;
+    }
+    json.push('}');
+    while (8 + json.len()) % 8 != 0 {
+        json.push(' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(json.as_bytes());
+    out
+}
+
+/// Splits the tensor list into shards of at most `max_bytes` of data each (a tensor larger than
+/// the limit gets a shard of its own).
+pub fn plan_shards(specs: &[TensorSpec], max_bytes: u64) -> Vec<ShardPlan> {
+    let mut ranges = Vec::new();
+    let mut first = 0;
+    let mut bytes = 0u64;
+    for (i, s) in specs.iter().enumerate() {
+        let b = s.nbytes() as u64;
+        if i > first && bytes + b > max_bytes {
+            ranges.push((first, i, bytes));
+            first = i;
+            bytes = 0;
+        }
+        bytes += b;
+    }
+    if first < specs.len() {
+        ranges.push((first, specs.len(), bytes));
+    }
+    let n = ranges.len();
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(k, (first, end, data_bytes))| ShardPlan {
+            file: shard_file_name(k, n),
+            first,
+            end,
+            header: header_bytes(&specs[first..end]),
+            data_bytes,
+        })
+        .collect()
+}
+
+/// `model.safetensors.index.json` for a plan.
+pub fn index_json(specs: &[TensorSpec], plans: &[ShardPlan]) -> serde_json::Value {
+    let mut map = BTreeMap::new();
+    for p in plans {
+        for s in &specs[p.first..p.end] {
+            map.insert(s.name.clone(), p.file.clone());
+        }
+    }
+    let total: u64 = plans.iter().map(|p| p.data_bytes).sum();
+    serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map })
+}
+
+fn progress_bar(total: u64, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template"),
+    );
+    pb
+}
+
+struct OpenShard {
+    idx: usize,
+    file: BufWriter<File>,
+    written: u64,
+}
+
+/// The writer side: receives generated pieces in file order and appends them to the shards.
+fn write_pieces(
+    dir: &Path,
+    specs: &[TensorSpec],
+    plans: &[ShardPlan],
+    rx: std::sync::mpsc::Receiver<Vec<Vec<(usize, Vec<u8>)>>>,
+    pb: &ProgressBar,
+) -> Result<(), SynthError> {
+    let mut shard_of = vec![0usize; specs.len()];
+    for (k, p) in plans.iter().enumerate() {
+        shard_of[p.first..p.end].iter_mut().for_each(|x| *x = k);
+    }
+    let mut cur: Option<OpenShard> = None;
+    let finish = |s: OpenShard| -> Result<(), SynthError> {
+        let path = dir.join(&plans[s.idx].file);
+        if s.written != plans[s.idx].data_bytes {
+            return Err(SynthError::Invalid(format!(
+                "internal: shard {} got {} data bytes, planned {}",
+                plans[s.idx].file, s.written, plans[s.idx].data_bytes
+            )));
+        }
+        let f = s.file.into_inner().map_err(|e| SynthError::io(&path, e.into_error()))?;
+        f.sync_data().map_err(|e| SynthError::io(&path, e))
+    };
+    for batch in rx {
+        for pieces in batch {
+            for (spec, bytes) in pieces {
+                let k = shard_of[spec];
+                if cur.as_ref().map(|c| c.idx) != Some(k) {
+                    if let Some(c) = cur.take() {
+                        finish(c)?;
+                    }
+                    let path = dir.join(&plans[k].file);
+                    pb.set_message(plans[k].file.clone());
+                    let f = File::create(&path).map_err(|e| SynthError::io(&path, e))?;
+                    let mut file = BufWriter::with_capacity(8 << 20, f);
+                    file.write_all(&plans[k].header).map_err(|e| SynthError::io(&path, e))?;
+                    cur = Some(OpenShard { idx: k, file, written: 0 });
+                }
+                let c = cur.as_mut().expect("opened above");
+                c.file.write_all(&bytes).map_err(|e| SynthError::io(&dir.join(&plans[k].file), e))?;
+                c.written += bytes.len() as u64;
+                pb.inc(bytes.len() as u64);
+            }
+        }
+    }
+    if let Some(c) = cur.take() {
+        finish(c)?;
+    }
+    Ok(())
+}
+
+/// Generates and writes every shard of the plan. Returns the number of data bytes written.
+pub fn write_shards(
+    dir: &Path,
+    specs: &[TensorSpec],
+    plans: &[ShardPlan],
+    seed: u64,
+    show_progress: bool,
+) -> Result<u64, SynthError> {
+    let total: u64 = plans.iter().map(|p| p.data_bytes).sum();
+    let pb = progress_bar(total, show_progress);
+    let units = weights::units(specs);
+    // Batches of consecutive units, bounded in bytes and count.
+    let mut batches: Vec<std::ops::Range<usize>> = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, u) in units.iter().enumerate() {
+        let b = weights::unit_bytes(specs, u);
+        if i > start && (bytes + b > BATCH_BYTES || i - start >= BATCH_UNITS) {
+            batches.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += b;
+    }
+    if start < units.len() {
+        batches.push(start..units.len());
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<(usize, Vec<u8>)>>>(1);
+    let result = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| write_pieces(dir, specs, plans, rx, &pb));
+        for r in batches {
+            let done: Vec<Vec<(usize, Vec<u8>)>> =
+                units[r].par_iter().map(|u: &Unit| weights::generate(specs, seed, u)).collect();
+            if tx.send(done).is_err() {
+                break; // the writer failed; its error is reported below
+            }
+        }
+        drop(tx);
+        writer.join().unwrap_or_else(|_| Err(SynthError::Invalid("the shard writer thread panicked".into())))
+    });
+    pb.finish_and_clear();
+    result.map(|_| total)
+}
