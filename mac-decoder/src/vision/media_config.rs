@@ -1,0 +1,206 @@
+//! `preprocessor_config.json` → `media_proc_cfg` (spec §1.4): patch size, patch budgets,
+//! normalisation constants and the transparent-background fill.
+//!
+//! A checkpoint directory may ship the file; when it does, its keys win and a missing
+//! `transparent_bg_config` means "drop alpha" (the reference processor's reading). When the
+//! file is absent, the published K3 values are used (chessboard fill after resize).
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// What fills transparent pixels.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BgPattern {
+    /// Squares of `square` px, white (`white`) at the top-left when `white_top_left`, else gray.
+    Chessboard { square: u32, white_top_left: bool, white: u8, gray: u8 },
+    /// One flat value for all three channels.
+    Solid(u8),
+}
+
+/// When the background is composited: before or after the bicubic resize.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FillStage {
+    BeforeResize,
+    AfterResize,
+}
+
+/// The image pre-processing settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MediaProcConfig {
+    pub patch_size: usize,
+    pub merge_kernel_size: usize,
+    /// Patch budget before merging (65536 for K3).
+    pub in_patch_limit: usize,
+    /// Largest patch count along one side (512).
+    pub patch_limit_on_one_side: usize,
+    pub image_mean: [f64; 3],
+    pub image_std: [f64; 3],
+    /// `None`: alpha is dropped (plain RGB conversion).
+    pub transparent_bg: Option<BgPattern>,
+    pub fill_stage: FillStage,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MediaConfigError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("malformed {path}: {msg}")]
+    Invalid { path: String, msg: String },
+}
+
+impl MediaProcConfig {
+    /// The published K3 `media_proc_cfg` (spec §1.4).
+    pub fn k3_default() -> Self {
+        MediaProcConfig {
+            patch_size: 14,
+            merge_kernel_size: 2,
+            in_patch_limit: 65536,
+            patch_limit_on_one_side: 512,
+            image_mean: [0.5; 3],
+            image_std: [0.5; 3],
+            transparent_bg: Some(BgPattern::Chessboard { square: 8, white_top_left: true, white: 255, gray: 180 }),
+            fill_stage: FillStage::AfterResize,
+        }
+    }
+
+    /// The published values with the patch and merge sizes of a model's `vision_config`.
+    pub fn for_vision(v: &k3_protocol::VisionConfig) -> Self {
+        MediaProcConfig { patch_size: v.patch_size, merge_kernel_size: v.merge_kernel_size[0], ..Self::k3_default() }
+    }
+
+    /// Reads `<dir>/preprocessor_config.json` when present, else [`Self::for_vision`].
+    pub fn load(dir: &Path, v: &k3_protocol::VisionConfig) -> Result<Self, MediaConfigError> {
+        let path = dir.join("preprocessor_config.json");
+        if !path.exists() {
+            return Ok(Self::for_vision(v));
+        }
+        let text = std::fs::read_to_string(&path)
+            .map_err(|source| MediaConfigError::Io { path: path.display().to_string(), source })?;
+        let cfg = Self::from_json(&text).map_err(|msg| MediaConfigError::Invalid { path: path.display().to_string(), msg })?;
+        if cfg.patch_size != v.patch_size || cfg.merge_kernel_size != v.merge_kernel_size[0] || v.merge_kernel_size[0] != v.merge_kernel_size[1] {
+            return Err(MediaConfigError::Invalid {
+                path: path.display().to_string(),
+                msg: format!(
+                    "patch_size {} / merge_kernel_size {} disagree with vision_config ({} / {:?})",
+                    cfg.patch_size, cfg.merge_kernel_size, v.patch_size, v.merge_kernel_size
+                ),
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// Parses a `preprocessor_config.json` (its `media_proc_cfg` object, or the object itself).
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let obj = value.get("media_proc_cfg").cloned().unwrap_or(value);
+        let raw: RawMediaProcCfg = serde_json::from_value(obj).map_err(|e| e.to_string())?;
+        raw.into_config()
+    }
+
+    /// Checks the values the resize rule divides by or loops on.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.patch_size == 0 || self.merge_kernel_size == 0 {
+            return Err("patch_size and merge_kernel_size must be > 0".into());
+        }
+        if self.in_patch_limit < self.merge_kernel_size * self.merge_kernel_size {
+            return Err(format!(
+                "in_patch_limit {} is below one merged token ({} patches)",
+                self.in_patch_limit,
+                self.merge_kernel_size * self.merge_kernel_size
+            ));
+        }
+        if self.patch_limit_on_one_side < self.merge_kernel_size {
+            return Err(format!("patch_limit_on_one_side {} is below merge_kernel_size", self.patch_limit_on_one_side));
+        }
+        if self.image_std.iter().any(|s| *s == 0.0 || !s.is_finite()) || self.image_mean.iter().any(|m| !m.is_finite()) {
+            return Err(format!("image_mean {:?} / image_std {:?} are not usable", self.image_mean, self.image_std));
+        }
+        if let Some(BgPattern::Chessboard { square: 0, .. }) = self.transparent_bg {
+            return Err("chessboard_square_size must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+struct RawMediaProcCfg {
+    patch_size: usize,
+    merge_kernel_size: serde_json::Value,
+    in_patch_limit: usize,
+    patch_limit_on_one_side: usize,
+    #[serde(default)]
+    fixed_output_tokens: Option<usize>,
+    #[serde(default = "half3")]
+    image_mean: [f64; 3],
+    #[serde(default = "half3")]
+    image_std: [f64; 3],
+    #[serde(default)]
+    transparent_bg_config: Option<RawBg>,
+    #[serde(default)]
+    transparent_bg_fill_stage: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RawBg {
+    pattern: String,
+    #[serde(default)]
+    chessboard_square_size: Option<u32>,
+    #[serde(default)]
+    chessboard_square_on_top_left: Option<bool>,
+    #[serde(default)]
+    chessboard_white_value: Option<u8>,
+    #[serde(default)]
+    chessboard_gray_value: Option<u8>,
+}
+
+fn half3() -> [f64; 3] {
+    [0.5; 3]
+}
+
+impl RawMediaProcCfg {
+    fn into_config(self) -> Result<MediaProcConfig, String> {
+        if let Some(n) = self.fixed_output_tokens {
+            return Err(format!("fixed_output_tokens = {n} is not supported (the tower's token count follows the grid)"));
+        }
+        let merge = match &self.merge_kernel_size {
+            serde_json::Value::Number(n) => n.as_u64().ok_or("merge_kernel_size must be a positive integer")? as usize,
+            serde_json::Value::Array(a) if a.len() == 2 && a[0] == a[1] => {
+                a[0].as_u64().ok_or("merge_kernel_size must hold positive integers")? as usize
+            }
+            other => return Err(format!("merge_kernel_size {other} is not an integer or a square [k, k]")),
+        };
+        let transparent_bg = match self.transparent_bg_config {
+            None => None,
+            Some(b) => Some(match b.pattern.as_str() {
+                "chessboard" => BgPattern::Chessboard {
+                    square: b.chessboard_square_size.unwrap_or(8),
+                    white_top_left: b.chessboard_square_on_top_left.unwrap_or(true),
+                    white: b.chessboard_white_value.unwrap_or(255),
+                    gray: b.chessboard_gray_value.unwrap_or(180),
+                },
+                "white" => BgPattern::Solid(255),
+                "black" => BgPattern::Solid(0),
+                "gray" => BgPattern::Solid(128),
+                p => return Err(format!("transparent_bg_config.pattern {p:?} is not chessboard/white/black/gray")),
+            }),
+        };
+        let fill_stage = match self.transparent_bg_fill_stage.as_deref() {
+            None | Some("before_resize") => FillStage::BeforeResize,
+            Some("after_resize") => FillStage::AfterResize,
+            Some(s) => return Err(format!("transparent_bg_fill_stage {s:?} is not before_resize/after_resize")),
+        };
+        let cfg = MediaProcConfig {
+            patch_size: self.patch_size,
+            merge_kernel_size: merge,
+            in_patch_limit: self.in_patch_limit,
+            patch_limit_on_one_side: self.patch_limit_on_one_side,
+            image_mean: self.image_mean,
+            image_std: self.image_std,
+            transparent_bg,
+            fill_stage,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}

@@ -1,0 +1,151 @@
+//! MoonViT-V2 vision (spec §5): image pre-processing, the tower and projector, and the media
+//! tokens of the prompt.
+//!
+//! - [`media_config`]: `preprocessor_config.json` (`media_proc_cfg`), defaults as published.
+//! - [`preprocess`]: decode, resize rule and patch budgets, background fill, patches and grid.
+//! - [`resample`]: Pillow's bicubic resize, re-implemented (the reference resizes with Pillow).
+//! - [`positions`]: position-table interpolation and the 2-D rotary tables.
+//! - [`weights`]: the vision tensors in f32.
+//! - [`reference`]: the tower and projector in plain f32 Rust (CPU reference).
+//! - `tower`, `projector` (feature `mlx`): the same on MLX.
+//! - [`prompt`]: the `<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>` text
+//!   and the expansion of each pad into its image's feature rows.
+//!
+//! Entry points for the rest of the decoder: [`encode_image_bytes`] (bytes → features, e.g. an
+//! OpenAI `image_url` data URL after base64 decoding) and [`prompt::expand_media`].
+
+pub mod media_config;
+pub mod positions;
+pub mod preprocess;
+pub mod prompt;
+pub mod reference;
+pub mod resample;
+pub mod weights;
+
+use k3_protocol::{Checkpoint, CheckpointError, VisionConfig};
+
+pub use media_config::MediaProcConfig;
+pub use preprocess::{preprocess_bytes, PreprocessError, PreprocessedImage};
+pub use prompt::{expand_media, expand_media_ids, ExpandedIds, ExpandedPrompt};
+pub use weights::VisionWeights;
+
+/// The epsilon of the vision RMSNorms (norm0, norm1, final_layernorm), which the reference
+/// builds without one: the dtype's machine epsilon (spec §3.0, §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NormEps {
+    /// 2⁻⁷ = finfo(bfloat16).eps: the released model (tower in BF16). Golden `vision.output_bf16eps`.
+    #[default]
+    Bf16,
+    /// 1.19e-7 = finfo(float32).eps: a float32 run of the reference. Golden `vision.output`.
+    F32,
+}
+
+impl NormEps {
+    pub fn value(self) -> f32 {
+        match self {
+            NormEps::Bf16 => 1.0 / 128.0,
+            NormEps::F32 => f32::EPSILON,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VisionError {
+    #[error(transparent)]
+    Preprocess(#[from] PreprocessError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("vision input: {0}")]
+    Input(String),
+    #[error("vision config: {0}")]
+    Config(String),
+    #[error("MLX vision tower: {0}")]
+    Mlx(String),
+}
+
+/// Every stage of one image through the tower (row-major f32).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionTrace {
+    pub n_patches: usize,
+    /// Merged tokens (rows of `merged` and `output`).
+    pub rows: usize,
+    /// `[n_patches, vt_hidden]`: patch embedding + interpolated positions.
+    pub embed: Vec<f32>,
+    /// `[n_patches, vt_hidden]`: after the last block and final_layernorm.
+    pub encoder: Vec<f32>,
+    /// `[rows, merge² · vt_hidden]`: the 2×2 neighbourhoods.
+    pub merged: Vec<f32>,
+    /// `[rows, text_hidden]`: projector output, the rows that replace the media pads.
+    pub output: Vec<f32>,
+}
+
+/// The features of one image: `rows × dim` embeddings for its media pads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageFeatures {
+    pub rows: usize,
+    pub dim: usize,
+    pub data: Vec<f32>,
+    pub grid_thw: [usize; 3],
+    /// Original pixel size `(W, H)`.
+    pub original_size: (usize, usize),
+}
+
+impl ImageFeatures {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.dim..(i + 1) * self.dim]
+    }
+}
+
+/// A vision tower + projector: the CPU reference or MLX.
+pub trait VisionEncoder {
+    fn vision_config(&self) -> &VisionConfig;
+    fn media_config(&self) -> &MediaProcConfig;
+    /// Runs one pre-processed image, keeping every stage.
+    fn encode_trace(&self, img: &PreprocessedImage) -> Result<VisionTrace, VisionError>;
+
+    /// Runs one pre-processed image.
+    fn encode(&self, img: &PreprocessedImage) -> Result<ImageFeatures, VisionError> {
+        let t = self.encode_trace(img)?;
+        Ok(ImageFeatures {
+            rows: t.rows,
+            dim: self.vision_config().text_hidden_size,
+            data: t.output,
+            grid_thw: img.grid_thw,
+            original_size: img.original_size,
+        })
+    }
+}
+
+/// The CPU reference as a [`VisionEncoder`].
+pub struct ReferenceEncoder {
+    pub weights: VisionWeights,
+    pub media: MediaProcConfig,
+    pub eps: NormEps,
+}
+
+impl ReferenceEncoder {
+    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults).
+    pub fn load(ck: &Checkpoint, eps: NormEps) -> Result<Self, VisionError> {
+        let weights = VisionWeights::load(ck)?;
+        let media = MediaProcConfig::load(ck.dir(), &weights.cfg).map_err(|e| VisionError::Config(e.to_string()))?;
+        Ok(ReferenceEncoder { weights, media, eps })
+    }
+}
+
+impl VisionEncoder for ReferenceEncoder {
+    fn vision_config(&self) -> &VisionConfig {
+        &self.weights.cfg
+    }
+    fn media_config(&self) -> &MediaProcConfig {
+        &self.media
+    }
+    fn encode_trace(&self, img: &PreprocessedImage) -> Result<VisionTrace, VisionError> {
+        reference::encode(&self.weights, img, self.eps)
+    }
+}
+
+/// Decodes PNG/JPEG/WebP bytes, pre-processes them with the model's settings and encodes them.
+pub fn encode_image_bytes(model: &dyn VisionEncoder, bytes: &[u8]) -> Result<ImageFeatures, VisionError> {
+    let img = preprocess_bytes(bytes, model.media_config())?;
+    model.encode(&img)
+}
