@@ -8,6 +8,8 @@
 //! - [`handoff`]: the canonical hand-off state and its session file.
 //! - [`synth`]: synthetic models in the release layout (presets of spec §6), and their tokenizer.
 //! - [`testdata`]: where the golden sets live in this repository.
+//! - [`wire`]: the hand-off protocol without I/O (messages, frames, chunks, state assembly).
+//! - [`transport`]: the hand-off protocol over QUIC (pinned TLS, prefill server and client).
 
 pub mod checkpoint;
 pub mod config;
@@ -17,6 +19,8 @@ pub mod mxfp4;
 pub mod synth;
 pub mod tensors;
 pub mod testdata;
+pub mod transport;
+pub mod wire;
 
 pub use checkpoint::{Checkpoint, CheckpointError, TensorView};
 pub use config::{AttnKind, FfnKind, K3Config, LayerSpec, TextConfig, VisionConfig};

@@ -1,0 +1,122 @@
+//! What a node needs to speak the hand-off protocol, and the QUIC transport settings.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::transport::hooks::FaultHooks;
+use crate::transport::identity::NodeIdentity;
+use crate::transport::tls::PeerAuth;
+use crate::wire::frame::{DEFAULT_MAX_CONTROL_FRAME, DEFAULT_MAX_FRAME};
+use crate::wire::{Capabilities, StateDtype};
+
+/// Timeouts, windows and limits. Defaults suit a LAN or Thunderbolt link.
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// QUIC idle timeout: the connection dies after this long without a packet.
+    pub idle_timeout: Duration,
+    /// QUIC keep-alive PINGs (transport heartbeat).
+    pub keep_alive: Duration,
+    /// Application heartbeat on a request stream while the prefill node computes.
+    pub heartbeat: Duration,
+    /// Receiver: no frame of the transfer for this long → `Stalled`.
+    pub inactivity_timeout: Duration,
+    /// Sender: a write blocked by flow control for this long → `Stalled` (peer stopped reading).
+    pub stall_timeout: Duration,
+    /// Per-stream and per-connection QUIC receive windows (bytes).
+    pub stream_receive_window: u32,
+    pub receive_window: u32,
+    /// Bytes quinn may buffer unacknowledged per connection (bounds the sender's memory).
+    pub send_window: u64,
+    /// Upper bound for QUIC path-MTU discovery (1452 on a normal LAN; jumbo frames allow more).
+    pub mtu_upper_bound: u16,
+    /// Largest control frame (requests carry token ids and image embeddings).
+    pub max_control_frame: u32,
+    /// Largest state accepted in one transfer.
+    pub max_state_bytes: u64,
+    /// Receiver: layers with some but not all bytes received at once.
+    pub max_open_layers: usize,
+    /// Most parallel data streams per transfer.
+    pub max_streams: u16,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(5),
+            inactivity_timeout: Duration::from_secs(300),
+            stall_timeout: Duration::from_secs(60),
+            stream_receive_window: 8 << 20,
+            receive_window: 32 << 20,
+            send_window: 32 << 20,
+            mtu_upper_bound: 1452,
+            max_control_frame: DEFAULT_MAX_CONTROL_FRAME,
+            max_state_bytes: 64 << 30,
+            max_open_layers: 8,
+            max_streams: 16,
+        }
+    }
+}
+
+impl Tuning {
+    pub(crate) fn quinn_transport(&self) -> quinn::TransportConfig {
+        let mut t = quinn::TransportConfig::default();
+        t.max_idle_timeout(quinn::IdleTimeout::try_from(self.idle_timeout).ok());
+        t.keep_alive_interval(Some(self.keep_alive));
+        t.stream_receive_window(quinn::VarInt::from_u32(self.stream_receive_window));
+        t.receive_window(quinn::VarInt::from_u32(self.receive_window));
+        t.send_window(self.send_window);
+        t.max_concurrent_uni_streams(quinn::VarInt::from_u32(2 * self.max_streams as u32 + 8));
+        t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(16));
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.mtu_upper_bound.max(1200));
+        t.mtu_discovery_config(Some(mtu));
+        t
+    }
+}
+
+/// One node's side of the protocol.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub identity: NodeIdentity,
+    pub peers: PeerAuth,
+    /// Fingerprint of the loaded model (`Checkpoint::fingerprint()`).
+    pub model_fingerprint: Fingerprint,
+    pub capabilities: Capabilities,
+    pub node_name: String,
+    pub tuning: Tuning,
+    /// Fault injection for tests; leave default.
+    #[doc(hidden)]
+    pub hooks: Arc<FaultHooks>,
+}
+
+impl NodeConfig {
+    /// A config with default capabilities (fp32, 1 MiB chunks) and tuning.
+    pub fn new(identity: NodeIdentity, peers: PeerAuth, model_fingerprint: Fingerprint, backend: &str) -> NodeConfig {
+        NodeConfig {
+            identity,
+            peers,
+            model_fingerprint,
+            capabilities: Capabilities {
+                dtypes: vec![StateDtype::F32],
+                max_frame_size: DEFAULT_MAX_FRAME,
+                backend: backend.to_string(),
+                max_streams: Tuning::default().max_streams,
+            },
+            node_name: hostname(),
+            tuning: Tuning::default(),
+            hooks: Arc::new(FaultHooks::default()),
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "k3-node".to_string())
+}

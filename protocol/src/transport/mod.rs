@@ -1,0 +1,52 @@
+//! The hand-off protocol over QUIC (quinn + rustls, TLS 1.3, mutual certificate pinning).
+//! A thin layer: framing, checksums and state assembly live in [`crate::wire`].
+//!
+//! - [`PrefillServer`] / [`PrefillConnection`] / [`IncomingRequest`] / [`LayerSender`]: the
+//!   prefill node's side.
+//! - [`PrefillClient`] / [`Transfer`]: the decoder's side.
+//! - [`NodeIdentity`], [`PinnedPeers`], [`PeerAuth`]: certificates and pairing.
+//!
+//! Streams of one connection: the client opens a bidirectional *handshake* stream
+//! (Hello/HelloAck), then one bidirectional *request* stream per prefill (PrefillRequest →
+//! Accepted, Progress, Heartbeat, Done | Error/Abort; the client may send Abort), and the
+//! server opens `Accepted::streams` unidirectional *data* streams per request (DataStream
+//! header, then chunk frames). See docs/handoff-protocol.md.
+
+pub mod client;
+pub mod config;
+pub mod error;
+mod framed;
+#[doc(hidden)]
+pub mod hooks;
+pub mod identity;
+pub mod server;
+pub mod tls;
+
+use std::net::SocketAddr;
+
+pub use client::{PrefillClient, Transfer, TransferEvent, TransferSummary};
+pub use config::{NodeConfig, Tuning};
+pub use error::TransferError;
+pub use identity::{default_config_dir, CertFingerprint, NodeIdentity, NodeRole, PinnedPeers};
+pub use server::{IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
+pub use tls::PeerAuth;
+
+use crate::fingerprint::Fingerprint;
+use crate::wire::Capabilities;
+
+/// Who is on the other end.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    pub addr: SocketAddr,
+    /// Fingerprint of the certificate the peer presented.
+    pub certificate: Option<CertFingerprint>,
+    pub node_name: String,
+    pub capabilities: Capabilities,
+    pub model_fingerprint: Fingerprint,
+}
+
+pub(crate) fn peer_certificate(conn: &quinn::Connection) -> Option<CertFingerprint> {
+    let any = conn.peer_identity()?;
+    let certs = any.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok()?;
+    certs.first().map(|c| CertFingerprint::of_der(c))
+}

@@ -1,0 +1,46 @@
+//! Errors of the sans-I/O wire layer. Each names what was wrong and where (layer, part, byte
+//! offset), so a transport error can say which chunk of which peer was bad.
+
+use crate::wire::layout::Part;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("frame of {len} bytes exceeds the maximum frame size of {max} bytes")]
+    Oversized { len: u64, max: u64 },
+    #[error("stream ended inside a frame: {have} bytes buffered, the frame needs {need}")]
+    Truncated { have: usize, need: usize },
+    #[error("unknown frame kind {0}")]
+    UnknownFrameKind(u8),
+    #[error("frame of kind {kind} too short: {len} bytes")]
+    ShortFrame { kind: u8, len: usize },
+    #[error("control message does not decode: {0}")]
+    BadMessage(String),
+    #[error("chunk header: unknown part tag {0}")]
+    UnknownPart(u8),
+    #[error("chunk header: reserved bytes are not zero")]
+    ReservedBits,
+    #[error("chunk header says {header} payload bytes, the frame holds {frame}")]
+    ChunkLength { header: u32, frame: usize },
+    #[error("layer {layer} {part} bytes [{offset}, +{len}): checksum {got:08x}, the chunk says {want:08x}")]
+    Checksum { layer: u32, part: Part, offset: u64, len: u32, got: u32, want: u32 },
+    #[error("chunk for request {got}, this transfer is request {want}")]
+    WrongRequest { got: u64, want: u64 },
+    #[error("chunk for layer {layer}, the state has {layers} layers")]
+    LayerOutOfRange { layer: u32, layers: usize },
+    #[error("chunk for layer {layer} part {part}, which that layer does not have")]
+    NoSuchPart { layer: u32, part: Part },
+    #[error("layer {layer} {part} bytes [{offset}, +{len}) lie outside the part's {size} bytes or are not fp32-aligned")]
+    OutOfRange { layer: u32, part: Part, offset: u64, len: u32, size: u64 },
+    #[error("layer {layer} {part} bytes [{offset}, +{len}) overlap bytes already received [{prev_start}, {prev_end})")]
+    Overlap { layer: u32, part: Part, offset: u64, len: u32, prev_start: u64, prev_end: u64 },
+    #[error("chunk for layer {layer}, which already arrived complete")]
+    LayerAlreadyComplete { layer: u32 },
+    #[error("too many layers open at once ({open}, limit {limit}): layer {layer} started before earlier ones finished")]
+    TooManyOpenLayers { layer: u32, open: usize, limit: usize },
+    #[error("state incomplete: {0}")]
+    Incomplete(String),
+    #[error("totals differ: the sender says {what} {said}, received {got}")]
+    TotalsMismatch { what: &'static str, said: u64, got: u64 },
+    #[error("bad state layout: {0}")]
+    Layout(String),
+}
