@@ -138,19 +138,20 @@ fn read_header(
             continue;
         };
         let [s, t] = e.data_offsets;
-        let numel: usize = e.shape.iter().product();
-        if t < s || t - s != numel * dtype.size() {
+        // Checked: a hostile header may hold shapes or offsets whose products overflow.
+        let nbytes = e.shape.iter().try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+        if t < s || Some(t - s) != nbytes {
             problems.push(format!(
                 "{tname} in {name}: data_offsets {s}..{t} do not match shape {:?} {}",
                 e.shape, e.dtype
             ));
             continue;
         }
-        if base + t > map.len() {
+        if base.checked_add(t).is_none_or(|end| end > map.len()) {
             problems.push(format!(
                 "{tname} in {name}: bytes {}..{} lie beyond the end of the file ({} bytes): truncated shard",
-                base + s,
-                base + t,
+                base.saturating_add(s),
+                base.saturating_add(t),
                 map.len()
             ));
             continue;
@@ -321,7 +322,13 @@ impl Checkpoint {
     pub fn expert(&self, layer: usize, expert: usize, w: &str) -> Result<Mxfp4Weight<'_>, CheckpointError> {
         let packed = self.tensor(&expert_tensor(layer, expert, w, "weight_packed"))?;
         let scale = self.tensor(&expert_tensor(layer, expert, w, "weight_scale"))?;
-        Mxfp4Weight::new(packed.bytes, scale.bytes, packed.shape[0], packed.shape[1] * 2).map_err(|msg| {
+        let [out, half] = packed.shape else {
+            return Err(CheckpointError::Tensor {
+                name: packed.name.to_string(),
+                msg: format!("shape {:?} in {} is not 2-D [out, in/2]", packed.shape, packed.shard),
+            });
+        };
+        Mxfp4Weight::new(packed.bytes, scale.bytes, *out, half * 2).map_err(|msg| {
             CheckpointError::Tensor { name: packed.name.to_string(), msg }
         })
     }

@@ -296,7 +296,7 @@ impl TextConfig {
             ));
         }
         let missing: Vec<usize> = (0..n).filter(|&i| seen[i] == 0).map(|i| i + 1).collect();
-        if !missing.is_empty() && problems.is_empty() {
+        if !missing.is_empty() {
             problems.push(format!(
                 "layers {missing:?} (1-based) are in neither kda_layers nor full_attn_layers"
             ));

@@ -123,19 +123,21 @@ pub fn quantize(w: &[f32], out_features: usize, in_features: usize) -> (Vec<u8>,
     (packed, scale)
 }
 
-/// Nearest E2M1 code to `x` (ties to the even magnitude index).
+/// Nearest E2M1 code to `x` (ties to the even magnitude index). The magnitude index is the
+/// number of decision points below `|x|`: the midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5
+/// between neighbouring magnitudes, where a tie goes up only to an even index.
+#[inline]
 fn nearest_e2m1(x: f32) -> u8 {
-    let a = x.abs().min(6.0);
-    let mut best = 0usize;
-    for (i, &m) in E2M1_MAGNITUDES.iter().enumerate() {
-        let d = (a - m).abs();
-        let bd = (a - E2M1_MAGNITUDES[best]).abs();
-        if d < bd || (d == bd && i % 2 == 0 && best % 2 == 1) {
-            best = i;
-        }
-    }
+    let a = x.abs();
+    let best = (a > 0.25) as u8
+        + (a >= 0.75) as u8
+        + (a > 1.25) as u8
+        + (a >= 1.75) as u8
+        + (a > 2.5) as u8
+        + (a >= 3.5) as u8
+        + (a > 5.0) as u8;
     let sign = if x < 0.0 && best != 0 { 8 } else { 0 };
-    best as u8 | sign
+    best | sign
 }
 
 #[cfg(test)]
@@ -176,6 +178,32 @@ mod tests {
         let (p, s) = quantize(&w, 1, 64);
         let d = Mxfp4Weight::new(&p, &s, 1, 64).unwrap().decode();
         assert_eq!(d, w);
+    }
+
+    /// The closed-form rounding equals an exhaustive nearest search with ties to even.
+    #[test]
+    fn nearest_code_matches_exhaustive_search() {
+        let brute = |x: f32| -> u8 {
+            let a = x.abs().min(6.0);
+            let mut best = 0usize;
+            for (i, &m) in E2M1_MAGNITUDES.iter().enumerate() {
+                let (d, bd) = ((a - m).abs(), (a - E2M1_MAGNITUDES[best]).abs());
+                if d < bd || (d == bd && i % 2 == 0 && best % 2 == 1) {
+                    best = i;
+                }
+            }
+            best as u8 | if x < 0.0 && best != 0 { 8 } else { 0 }
+        };
+        let mut xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.00375).collect();
+        for m in [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0] {
+            for d in [-1e-6f32, 0.0, 1e-6] {
+                xs.push(m + d);
+                xs.push(-(m + d));
+            }
+        }
+        for x in xs {
+            assert_eq!(nearest_e2m1(x), brute(x), "x = {x}");
+        }
     }
 
     #[test]
