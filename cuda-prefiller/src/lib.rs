@@ -2,3 +2,6 @@
 
 pub mod backend;
 pub mod cli;
+pub mod cpu;
+pub mod executor;
+pub mod model;

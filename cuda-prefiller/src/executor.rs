@@ -1,0 +1,452 @@
+//! The layer-major executor (ARCHITECTURE.md): all new tokens pass layer 0, then layer 1, …,
+//! each layer over the tokens in chunks, so a layer's weights are needed once per prompt and
+//! transient activations stay bounded by the chunk size. What persists across layers per
+//! token is the AttnRes residual (the bank of block sums plus the running partial sum `P`,
+//! spec §3.1), kept per chunk on the backend or parked on the host.
+//!
+//! After each layer the executor reports that layer's hand-off state through a callback, so a
+//! server can ship it while later layers compute. It continues from any [`HandoffState`] (a
+//! session's next turn) with the same results as a one-shot prefill: the KDA recurrence and
+//! conv windows and the MLA latent rows carry everything across calls, and AttnRes is
+//! token-local. One new token is a decode step (recurrent KDA, absorbed MLA).
+
+use std::ops::Deref;
+
+use anyhow::{bail, ensure, Context};
+use k3_protocol::config::{AttnKind, FfnKind};
+use k3_protocol::handoff::{HandoffState, LayerState, MlaState};
+
+use crate::backend::{Backend, DeviceBuf, MlaForm};
+use crate::model::kda::{kda_forward, KdaCache, KdaForm};
+use crate::model::mla::{mla_forward, MlaCache};
+use crate::model::ffn::{latent_moe_forward, mlp_forward};
+use crate::model::weights::{AttnWeights, FfnWeights};
+use crate::model::Model;
+
+/// Embedding rows that replace the token embeddings at some positions (image features at the
+/// `<|media_pad|>` positions, spec §5.5). Positions count from the first NEW token.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EmbeddingOverrides {
+    /// Ascending or not, each at most once.
+    pub positions: Vec<usize>,
+    /// `[positions.len(), hidden]`, row `i` for `positions[i]`.
+    pub rows: Vec<f32>,
+}
+
+/// Which logits rows to compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsRows {
+    /// Every new token (the `forward` contract).
+    All,
+    /// Only the last new token (serving, decode).
+    Last,
+    /// None (prefill for a remote decoder).
+    None,
+}
+
+/// Executor settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecOptions {
+    /// Tokens per chunk within a layer (bounds transient activations).
+    pub chunk_tokens: usize,
+    /// `None`: recurrent for a single new token, chunked otherwise.
+    pub kda_form: Option<KdaForm>,
+    /// `None`: absorbed for a single new token, expanded otherwise.
+    pub mla_form: Option<MlaForm>,
+    pub logits: LogitsRows,
+    /// Record the `hidden.*` vectors of the last new token.
+    pub trace_last: bool,
+    /// Keep each chunk's residual (bank + `P`) on the host between layers, uploading it for
+    /// the chunk's turn (bounds backend memory to about one chunk's residual).
+    pub park_on_host: bool,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions { chunk_tokens: 512, kda_form: None, mla_form: None, logits: LogitsRows::All, trace_last: false, park_on_host: false }
+    }
+}
+
+/// The new tokens of one prefill call.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillInput<'a> {
+    pub tokens: &'a [u32],
+    pub overrides: Option<&'a EmbeddingOverrides>,
+}
+
+impl<'a> PrefillInput<'a> {
+    pub fn tokens(tokens: &'a [u32]) -> Self {
+        PrefillInput { tokens, overrides: None }
+    }
+}
+
+/// The golden `hidden.*` vectors of one position (the last new token).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HiddenTrace {
+    pub embed: Vec<f32>,
+    /// Per layer: input of `input_layernorm` (the AttnRes mix; the raw embedding at layer 0).
+    pub attn_in: Vec<Vec<f32>>,
+    /// Per layer: attention block output (after `o_proj`).
+    pub attn_out: Vec<Vec<f32>>,
+    /// Per layer: input of `post_attention_layernorm`.
+    pub mlp_in: Vec<Vec<f32>>,
+    /// Per layer: FFN output.
+    pub mlp_out: Vec<Vec<f32>>,
+    /// Per layer: the partial block sum `P` after the layer.
+    pub after_layer: Vec<Vec<f32>>,
+    pub final_mix: Vec<f32>,
+    pub final_normed: Vec<f32>,
+}
+
+/// What a prefill call returns besides the updated state.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillOutput {
+    /// `[logits_rows, vocab]`.
+    pub logits: Vec<f32>,
+    pub logits_rows: usize,
+    pub vocab: usize,
+    /// Per MoE layer `(layer, gap per new token)`: the router selection margin (golden `moe.topk_gap`).
+    pub topk_gap: Vec<(usize, Vec<f32>)>,
+    pub trace: Option<HiddenTrace>,
+}
+
+impl PrefillOutput {
+    /// Row `i` of the logits.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// One layer finished: its new hand-off state.
+#[derive(Debug)]
+pub struct LayerEvent<'a> {
+    pub layer: usize,
+    /// Tokens in the state before this call.
+    pub base_tokens: usize,
+    /// Tokens added by this call.
+    pub new_tokens: usize,
+    /// KDA layers: the full new state. MLA layers: only the new tokens' latent rows
+    /// (positions `base_tokens ..`), which is what has to be shipped.
+    pub state: &'a LayerState,
+}
+
+/// A residual tensor of one chunk: on the backend or parked on the host.
+enum Slot<B: Backend> {
+    Dev(B::Buf),
+    Host { data: Vec<f32>, rows: usize, cols: usize },
+}
+
+enum Held<'a, B: Backend> {
+    Ref(&'a B::Buf),
+    Own(B::Buf),
+}
+
+impl<B: Backend> Deref for Held<'_, B> {
+    type Target = B::Buf;
+    fn deref(&self) -> &B::Buf {
+        match self {
+            Held::Ref(r) => r,
+            Held::Own(o) => o,
+        }
+    }
+}
+
+impl<B: Backend> Slot<B> {
+    fn get<'a>(&'a self, b: &B) -> anyhow::Result<Held<'a, B>> {
+        Ok(match self {
+            Slot::Dev(x) => Held::Ref(x),
+            Slot::Host { data, rows, cols } => Held::Own(b.upload(data, *rows, *cols)?),
+        })
+    }
+    fn take(self, b: &B) -> anyhow::Result<B::Buf> {
+        match self {
+            Slot::Dev(x) => Ok(x),
+            Slot::Host { data, rows, cols } => b.upload(&data, rows, cols),
+        }
+    }
+    fn store(b: &B, x: B::Buf, park: bool) -> anyhow::Result<Self> {
+        if park {
+            let (rows, cols) = (x.rows(), x.cols());
+            Ok(Slot::Host { data: b.download(&x)?, rows, cols })
+        } else {
+            Ok(Slot::Dev(x))
+        }
+    }
+}
+
+/// The AttnRes residual of one chunk of tokens.
+struct ChunkResidual<B: Backend> {
+    rows: usize,
+    bank: Vec<Slot<B>>,
+    p: Slot<B>,
+}
+
+fn last_row<B: Backend>(b: &B, x: &B::Buf) -> anyhow::Result<Vec<f32>> {
+    b.download(&b.slice_rows(x, x.rows() - 1, 1)?)
+}
+
+/// Mix of the chunk's bank and `p` with one layer's AttnRes weights (or `p` itself while the
+/// bank is empty: layer 0).
+fn mix<B: Backend>(b: &B, bank: &[Held<'_, B>], p: &B::Buf, norm: &B::Weight, proj: &B::Weight, eps: f32) -> anyhow::Result<Option<B::Buf>> {
+    if bank.is_empty() {
+        return Ok(None);
+    }
+    let refs: Vec<&B::Buf> = bank.iter().map(|h| &**h).collect();
+    Ok(Some(b.attn_res_mix(&refs, p, norm, proj, eps)?))
+}
+
+/// Prefills `input` on top of `state` through every layer; `state` is updated only when the
+/// whole call succeeds (an error leaves it as it was). `on_layer` sees each layer's new state
+/// as soon as the layer is done; an error it returns aborts the call.
+pub fn prefill<B: Backend>(
+    model: &Model<B>,
+    state: &mut HandoffState,
+    input: PrefillInput<'_>,
+    opts: &ExecOptions,
+    mut on_layer: impl FnMut(LayerEvent<'_>) -> anyhow::Result<()>,
+) -> anyhow::Result<PrefillOutput> {
+    let b = &*model.backend;
+    let d = &model.dims;
+    let h = d.hidden;
+    let n = input.tokens.len();
+    ensure!(n > 0, "prefill: no new tokens");
+    ensure!(opts.chunk_tokens > 0, "prefill: chunk_tokens is 0");
+    state.check(&model.cfg).context("prefill: the given hand-off state does not fit the model")?;
+    let base = state.tokens;
+    let kda_form = opts.kda_form.unwrap_or(if n == 1 { KdaForm::Recurrent } else { KdaForm::Chunked });
+    let mla_form = opts.mla_form.unwrap_or(if n == 1 { MlaForm::Absorbed } else { MlaForm::Expanded });
+    let misread = model.misread;
+    let park = opts.park_on_host;
+
+    // Embeddings, with overrides spliced in.
+    let mut emb = model.embed_rows(input.tokens)?;
+    if let Some(ov) = input.overrides {
+        ensure!(
+            ov.rows.len() == ov.positions.len() * h,
+            "embedding overrides: {} values for {} positions of width {h}",
+            ov.rows.len(),
+            ov.positions.len()
+        );
+        let mut seen = vec![false; n];
+        for (i, &pos) in ov.positions.iter().enumerate() {
+            ensure!(pos < n, "embedding override for position {pos}, but only {n} new tokens");
+            ensure!(!seen[pos], "embedding override for position {pos} given twice");
+            seen[pos] = true;
+            emb[pos * h..(pos + 1) * h].copy_from_slice(&ov.rows[i * h..(i + 1) * h]);
+        }
+    }
+    let mut trace = opts.trace_last.then(|| HiddenTrace { embed: emb[(n - 1) * h..].to_vec(), ..Default::default() });
+
+    let mut chunks: Vec<ChunkResidual<B>> = Vec::new();
+    let mut row0 = 0;
+    while row0 < n {
+        let rows = opts.chunk_tokens.min(n - row0);
+        let p = b.upload(&emb[row0 * h..(row0 + rows) * h], rows, h)?;
+        chunks.push(ChunkResidual { rows, bank: Vec::new(), p: Slot::store(b, p, park)? });
+        row0 += rows;
+    }
+    drop(emb);
+
+    let mut new_layers: Vec<LayerState> = Vec::with_capacity(model.plan.len());
+    let mut topk_gap = Vec::new();
+    for (l, spec) in model.plan.iter().enumerate() {
+        let w = model.layer(l)?;
+        let span = tracing::debug_span!("layer", l, attn = ?spec.attn, ffn = ?spec.ffn);
+        let _g = span.enter();
+        let bank_before_attn = if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary };
+        let bank_before_mlp = misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0;
+
+        enum Cache<B: Backend> {
+            Kda(KdaCache<B>),
+            Mla(MlaCache<B>),
+        }
+        let mut cache = match (&state.layers[l], spec.attn) {
+            (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaCache::upload(b, s, d)?),
+            (LayerState::Mla(s), AttnKind::Mla) => {
+                let mut latent = b.zeros(base + n, d.mla.latent())?;
+                if base > 0 {
+                    b.write_rows(&mut latent, 0, &b.upload(&s.latent, base, d.mla.latent())?)?;
+                }
+                Cache::Mla(MlaCache { latent, rows: base })
+            }
+            _ => bail!("layer {l}: the hand-off state's kind differs from the model's {:?} layer", spec.attn),
+        };
+        let mut gaps = Vec::new();
+        let nchunks = chunks.len();
+        for (ci, ch) in chunks.iter_mut().enumerate() {
+            let is_last = ci + 1 == nchunks;
+            let rows = ch.rows;
+            let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len() + 2);
+            for s in &ch.bank {
+                bank.push(s.get(b)?);
+            }
+            let mut new_bank: Vec<B::Buf> = Vec::new();
+            let mut p = Some(std::mem::replace(&mut ch.p, Slot::Host { data: Vec::new(), rows: 0, cols: 0 }).take(b)?);
+
+            // Attention sublayer.
+            let hmix = mix(b, &bank, p.as_ref().unwrap(), &w.attn_res.norm, &w.attn_res.proj, d.eps)?;
+            let x = b.rms_norm(hmix.as_ref().unwrap_or(p.as_ref().unwrap()), &w.input_layernorm, d.eps)?;
+            if let (Some(t), true) = (trace.as_mut(), is_last) {
+                t.attn_in.push(last_row(b, hmix.as_ref().unwrap_or(p.as_ref().unwrap()))?);
+            }
+            drop(hmix);
+            if bank_before_attn {
+                let banked = p.take().unwrap();
+                new_bank.push(banked);
+            }
+            let u = match (&w.attn, &mut cache) {
+                (AttnWeights::Kda(kw), Cache::Kda(kc)) => kda_forward(b, kw, &x, kc, d, kda_form, &misread)?,
+                (AttnWeights::Mla(mw), Cache::Mla(mc)) => mla_forward(b, mw, &x, mc, d, mla_form)?,
+                _ => bail!("layer {l}: weights and cache kinds differ"),
+            };
+            drop(x);
+            if let (Some(t), true) = (trace.as_mut(), is_last) {
+                t.attn_out.push(last_row(b, &u)?);
+            }
+            let mut p_now = match p.take() {
+                None => u,
+                Some(mut p0) => {
+                    b.add_assign(&mut p0, &u)?;
+                    p0
+                }
+            };
+
+            // FFN sublayer.
+            let h2 = {
+                let mut all: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
+                all.extend(new_bank.iter());
+                b.attn_res_mix(&all, &p_now, &w.mlp_res.norm, &w.mlp_res.proj, d.eps)?
+            };
+            if let (Some(t), true) = (trace.as_mut(), is_last) {
+                t.mlp_in.push(last_row(b, &h2)?);
+            }
+            let x2 = b.rms_norm(&h2, &w.post_attention_layernorm, d.eps)?;
+            drop(h2);
+            let m = match &w.ffn {
+                FfnWeights::Dense(mw) => mlp_forward(b, mw, &x2, d)?,
+                FfnWeights::LatentMoe(mw) => {
+                    let (y, routing) = latent_moe_forward(b, mw, &x2, d)?;
+                    gaps.extend_from_slice(&routing.gap);
+                    y
+                }
+            };
+            if let (Some(t), true) = (trace.as_mut(), is_last) {
+                t.mlp_out.push(last_row(b, &m)?);
+            }
+            if bank_before_mlp {
+                new_bank.push(p_now);
+                p_now = m;
+            } else {
+                b.add_assign(&mut p_now, &m)?;
+            }
+            if let (Some(t), true) = (trace.as_mut(), is_last) {
+                t.after_layer.push(last_row(b, &p_now)?);
+            }
+            drop(bank);
+            for nb in new_bank {
+                ch.bank.push(Slot::store(b, nb, park)?);
+            }
+            ch.p = Slot::store(b, p_now, park)?;
+            debug_assert_eq!(rows, ch.rows);
+        }
+        if spec.ffn == FfnKind::LatentMoe {
+            topk_gap.push((l, gaps));
+        }
+        let layer_state = match cache {
+            Cache::Kda(kc) => LayerState::Kda(kc.download(b, d)?),
+            Cache::Mla(mc) => LayerState::Mla(MlaState {
+                width: d.mla.latent(),
+                latent: b.download(&b.slice_rows(&mc.latent, base, n)?)?,
+            }),
+        };
+        on_layer(LayerEvent { layer: l, base_tokens: base, new_tokens: n, state: &layer_state })
+            .with_context(|| format!("layer {l}: hand-off callback"))?;
+        new_layers.push(layer_state);
+        tracing::debug!(l, "layer done");
+    }
+
+    // Output head: output AttnRes mix, final norm, lm_head.
+    let head = model.head()?;
+    let mut logits = Vec::new();
+    let mut logits_rows = 0;
+    for (ci, ch) in chunks.iter().enumerate() {
+        let is_last = ci + 1 == chunks.len();
+        let want = match opts.logits {
+            LogitsRows::All => true,
+            LogitsRows::Last => is_last,
+            LogitsRows::None => false,
+        };
+        if !want && !(is_last && trace.is_some()) {
+            continue;
+        }
+        let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len());
+        for s in &ch.bank {
+            bank.push(s.get(b)?);
+        }
+        let p = ch.p.get(b)?;
+        let z = if misread.skip_output_mix {
+            b.slice_rows(&p, 0, ch.rows)?
+        } else {
+            let refs: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
+            b.attn_res_mix(&refs, &p, &head.output_res.norm, &head.output_res.proj, d.eps)?
+        };
+        let zn = b.rms_norm(&z, &head.norm, d.eps)?;
+        if let (Some(t), true) = (trace.as_mut(), is_last) {
+            t.final_mix = last_row(b, &z)?;
+            t.final_normed = last_row(b, &zn)?;
+        }
+        if !want {
+            continue;
+        }
+        let zn = if opts.logits == LogitsRows::Last { b.slice_rows(&zn, ch.rows - 1, 1)? } else { zn };
+        let lg = b.gemm(&zn, &head.lm_head)?;
+        logits_rows += lg.rows();
+        logits.extend(b.download(&lg)?);
+    }
+
+    // Commit the new state.
+    for (l, ns) in new_layers.into_iter().enumerate() {
+        match (&mut state.layers[l], ns) {
+            (LayerState::Mla(old), LayerState::Mla(new)) => old.latent.extend_from_slice(&new.latent),
+            (slot, ns) => *slot = ns,
+        }
+    }
+    state.tokens = base + n;
+    Ok(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace })
+}
+
+/// One decode step: feeds `token` at position `state.tokens` (recurrent KDA, absorbed MLA) and
+/// returns the next-token logits `[vocab]`.
+pub fn decode_step<B: Backend>(model: &Model<B>, state: &mut HandoffState, token: u32) -> anyhow::Result<Vec<f32>> {
+    let opts = ExecOptions { logits: LogitsRows::Last, ..Default::default() };
+    Ok(prefill(model, state, PrefillInput::tokens(&[token]), &opts, |_| Ok(()))?.logits)
+}
+
+/// Index of the largest value (lowest index on ties); `None` for an empty or all-NaN slice.
+pub fn argmax(x: &[f32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, bv)| v > bv) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Greedy continuation: `first` is fed, then each argmax, for `steps` tokens in all; returns
+/// the fed tokens and the logits after each.
+pub fn greedy<B: Backend>(model: &Model<B>, state: &mut HandoffState, first: u32, steps: usize) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let mut tokens = Vec::with_capacity(steps);
+    let mut all = Vec::with_capacity(steps);
+    let mut tok = first;
+    for _ in 0..steps {
+        tokens.push(tok);
+        let lg = decode_step(model, state, tok)?;
+        tok = argmax(&lg).context("decode: logits are all NaN")? as u32;
+        all.push(lg);
+    }
+    Ok((tokens, all))
+}

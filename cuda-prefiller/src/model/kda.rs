@@ -1,0 +1,111 @@
+//! A KDA layer (spec §3.3): projections, short conv with its window, L2 norm, bounded decay
+//! gate with `A_log` per head, β, the delta rule (chunked for prefill, recurrent for
+//! decode), gated per-head RMSNorm, `o_proj`.
+
+use k3_protocol::handoff::KdaState;
+
+use super::weights::KdaWeights;
+use super::{Misread, ModelDims, KDA_CHUNK, KDA_L2_EPS};
+use crate::backend::Backend;
+
+/// Which form of the delta-rule recurrence to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KdaForm {
+    /// Chunked form (spec §3.4), chunk length 64.
+    Chunked,
+    /// Token-by-token recurrence (spec §3.3 step 7).
+    Recurrent,
+}
+
+/// A KDA layer's carried state on the backend: `S [heads, k·v]`, conv windows `[K-1, H·D]`.
+pub struct KdaCache<B: Backend> {
+    pub state: B::Buf,
+    pub conv_q: B::Buf,
+    pub conv_k: B::Buf,
+    pub conv_v: B::Buf,
+}
+
+impl<B: Backend> KdaCache<B> {
+    /// Uploads a hand-off state.
+    pub fn upload(b: &B, s: &KdaState, d: &ModelDims) -> anyhow::Result<Self> {
+        let w = d.kda.width();
+        let win = d.conv_kernel - 1;
+        Ok(KdaCache {
+            state: b.upload(&s.recurrent, d.kda.heads, d.kda.head_dim * d.kda.head_dim)?,
+            conv_q: b.upload(&s.conv_q, win, w)?,
+            conv_k: b.upload(&s.conv_k, win, w)?,
+            conv_v: b.upload(&s.conv_v, win, w)?,
+        })
+    }
+
+    /// Downloads into the canonical hand-off layout.
+    pub fn download(&self, b: &B, d: &ModelDims) -> anyhow::Result<KdaState> {
+        Ok(KdaState {
+            heads: d.kda.heads,
+            head_dim: d.kda.head_dim,
+            recurrent: b.download(&self.state)?,
+            conv_q: b.download(&self.conv_q)?,
+            conv_k: b.download(&self.conv_k)?,
+            conv_v: b.download(&self.conv_v)?,
+        })
+    }
+}
+
+/// The KDA block on normed input `x [rows, H]` → `[rows, H]`, advancing `cache`.
+pub fn kda_forward<B: Backend>(
+    b: &B,
+    w: &KdaWeights<B>,
+    x: &B::Buf,
+    cache: &mut KdaCache<B>,
+    d: &ModelDims,
+    form: KdaForm,
+    misread: &Misread,
+) -> anyhow::Result<B::Buf> {
+    let dk = d.kda;
+    // 1–2. projections, short causal conv + SiLU (windows hold pre-conv inputs).
+    let q = b.short_conv_silu(&b.gemm(x, &w.q_proj)?, &w.q_conv, &mut cache.conv_q)?;
+    let k = b.short_conv_silu(&b.gemm(x, &w.k_proj)?, &w.k_conv, &mut cache.conv_k)?;
+    let v = b.short_conv_silu(&b.gemm(x, &w.v_proj)?, &w.v_conv, &mut cache.conv_v)?;
+    // 4. L2 norm per head; q scaled by D^-1/2.
+    let (mut q, mut k) = (q, k);
+    b.l2_norm_heads(&mut q, dk.head_dim, KDA_L2_EPS, 1.0 / (dk.head_dim as f32).sqrt())?;
+    b.l2_norm_heads(&mut k, dk.head_dim, KDA_L2_EPS, 1.0)?;
+    // 5. decay gate from the low-rank f_a/f_b projection.
+    let z = b.gemm(&b.gemm(x, &w.f_a)?, &w.f_b)?;
+    let g = if misread.a_log_per_channel {
+        gate_per_channel(b, &z, w, d)?
+    } else {
+        b.kda_gate(&z, &w.a_log, &w.dt_bias, dk, d.gate_lower_bound)?
+    };
+    // 6. write strength.
+    let beta = b.sigmoid(&b.gemm(x, &w.b_proj)?)?;
+    // 7. delta rule.
+    let o = match form {
+        KdaForm::Chunked => b.kda_chunked(&q, &k, &v, &g, &beta, &mut cache.state, dk, KDA_CHUNK)?,
+        KdaForm::Recurrent => b.kda_recurrent(&q, &k, &v, &g, &beta, &mut cache.state, dk)?,
+    };
+    // 8–9. gated per-head norm, output projection.
+    let r = b.gemm(x, &w.g_proj)?;
+    let o = b.gated_rms_norm(&o, &r, &w.o_norm, dk.head_dim, d.eps)?;
+    b.gemm(&o, &w.o_proj)
+}
+
+/// The planted misread: `exp(A_log[d])` per key channel `d`, computed on the host.
+fn gate_per_channel<B: Backend>(b: &B, z: &B::Buf, w: &KdaWeights<B>, d: &ModelDims) -> anyhow::Result<B::Buf> {
+    use crate::backend::DeviceBuf;
+    let dk = d.kda;
+    anyhow::ensure!(w.a_log_stored.len() >= dk.head_dim, "A_log holds {} values, fewer than head_dim", w.a_log_stored.len());
+    let zh = b.download(z)?;
+    let width = dk.width();
+    let lb = d.gate_lower_bound.unwrap_or(-5.0);
+    let g: Vec<f32> = zh
+        .iter()
+        .enumerate()
+        .map(|(i, &zv)| {
+            let c = i % width;
+            let a = w.a_log_stored[c % dk.head_dim].exp();
+            lb * crate::cpu::act::sigmoid(a * (zv + w.dt_bias_host[c]))
+        })
+        .collect();
+    b.upload(&g, z.rows(), z.cols())
+}
