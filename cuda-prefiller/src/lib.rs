@@ -3,5 +3,6 @@
 pub mod backend;
 pub mod cli;
 pub mod cpu;
+pub mod cuda;
 pub mod executor;
 pub mod model;

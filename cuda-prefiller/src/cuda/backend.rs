@@ -1,0 +1,608 @@
+//! [`CudaBackend`]: the ops of [`crate::backend::Backend`] on one GPU.
+//!
+//! Two precisions:
+//! - [`Precision::F32`] (check mode): every weight widened to f32, IEEE fp32 GEMMs (no TF32),
+//!   f32 attention and expert GEMMs. Meant to match the fp32 golden sets.
+//! - [`Precision::Bf16`] (serving): BF16 weights stay BF16, GEMM operands BF16 with f32
+//!   accumulation (cuBLAS, tensor cores), the routed experts dequantised from MXFP4 to BF16 in
+//!   registers (mma.sync), BF16 flash attention; norms, gates, softmax, the router and the whole
+//!   KDA recurrence stay f32, and values are rounded to BF16 where the reference casts them.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::driver::sys::CUdeviceptr;
+use k3_protocol::tensors::DType;
+
+use super::blas::{Blas, GemmType};
+use super::gpu::{DevMem, Gpu};
+use super::kernels as k;
+use crate::backend::{
+    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
+};
+
+/// Arithmetic precision of the CUDA backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" | "fp32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => bail!("unknown precision {s:?} (f32 or bf16)"),
+        }
+    }
+}
+
+/// An f32 activation matrix on the GPU.
+pub struct CudaBuf {
+    pub mem: DevMem,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaBuf {
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.mem.ptr
+    }
+    /// Address of row `r`.
+    pub fn row(&self, r: usize) -> CUdeviceptr {
+        self.mem.ptr + (r * self.cols * 4) as u64
+    }
+}
+
+impl DeviceBuf for CudaBuf {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// A resident dense weight: f32 and/or bf16 copy of a `[rows, cols]` tensor.
+pub struct CudaWeight {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub f32: Option<DevMem>,
+    pub bf16: Option<DevMem>,
+}
+
+impl CudaWeight {
+    fn f32_ptr(&self, op: &str) -> Result<CUdeviceptr> {
+        self.f32.as_ref().map(|m| m.ptr).ok_or_else(|| anyhow!("{op}: weight {} is not resident in f32", self.name))
+    }
+}
+
+/// Byte layout of one expert inside an expert arena (all offsets 16-byte aligned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// `moe_intermediate_size`.
+    pub inter: usize,
+    /// `routed_expert_hidden_size` (latent width).
+    pub latent: usize,
+    pub w1: k::MatOff,
+    pub w3: k::MatOff,
+    pub w2: k::MatOff,
+    /// Bytes per expert slot.
+    pub stride: usize,
+}
+
+impl PartialEq for k::MatOff {
+    fn eq(&self, o: &Self) -> bool {
+        self.packed == o.packed && self.scale == o.scale
+    }
+}
+impl Eq for k::MatOff {}
+
+fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+impl ExpertLayout {
+    pub fn new(inter: usize, latent: usize) -> Result<Self> {
+        ensure!(inter % 32 == 0 && latent % 32 == 0, "expert widths {inter}/{latent} must be multiples of 32 (MXFP4 groups)");
+        let up = inter * latent / 2; // packed bytes of one [inter, latent] matrix
+        let us = inter * latent / 32;
+        let mut off = 0;
+        let mut next = |n: usize| {
+            let o = off;
+            off = align(off + n, 16);
+            o
+        };
+        let w1 = k::MatOff { packed: next(up), scale: next(us) };
+        let w3 = k::MatOff { packed: next(up), scale: next(us) };
+        let w2 = k::MatOff { packed: next(up), scale: next(us) };
+        Ok(ExpertLayout { inter, latent, w1, w3, w2, stride: align(off, 256) })
+    }
+
+    /// The (name, byte offset in slot, bytes) of the six tensors of an expert, in checkpoint order.
+    pub fn parts(&self) -> [(&'static str, &'static str, usize, usize); 6] {
+        let up = self.inter * self.latent / 2;
+        let us = self.inter * self.latent / 32;
+        [
+            ("w1", "weight_packed", self.w1.packed, up),
+            ("w1", "weight_scale", self.w1.scale, us),
+            ("w3", "weight_packed", self.w3.packed, up),
+            ("w3", "weight_scale", self.w3.scale, us),
+            ("w2", "weight_packed", self.w2.packed, up),
+            ("w2", "weight_scale", self.w2.scale, us),
+        ]
+    }
+
+    /// Writes one expert's six tensors into `slot` (at least `stride` bytes).
+    pub fn fill_slot(&self, e: &ExpertHostWeights<'_>, slot: &mut [u8]) -> Result<()> {
+        let mats = [(&e.w1, self.inter, self.latent, self.w1), (&e.w3, self.inter, self.latent, self.w3), (&e.w2, self.latent, self.inter, self.w2)];
+        for (w, out_f, in_f, off) in mats {
+            ensure!(
+                w.out_features == out_f && w.in_features == in_f,
+                "expert weight [{}, {}] does not match the layer's [{out_f}, {in_f}]",
+                w.out_features,
+                w.in_features
+            );
+            slot[off.packed..off.packed + w.packed.len()].copy_from_slice(w.packed);
+            slot[off.scale..off.scale + w.scale.len()].copy_from_slice(w.scale);
+        }
+        Ok(())
+    }
+}
+
+/// One MoE layer's routed experts, resident: `n` slots of `layout.stride` bytes.
+pub struct CudaExperts {
+    pub arena: DevMem,
+    pub n: usize,
+    pub layout: ExpertLayout,
+}
+
+/// Device-side grouping of routed rows by expert (reused across expert chunks).
+pub struct MoePlan {
+    pub t: usize,
+    pub k: usize,
+    pub e: usize,
+    pub bm: usize,
+    pub max_tiles: usize,
+    pub offsets: DevMem,
+    pub tile_expert: DevMem,
+    pub tile_row0: DevMem,
+    pub tile_count: DevMem,
+    pub slot_pos: DevMem,
+    pub row_token: DevMem,
+    /// Grouped inputs `[t*k, latent]` (bf16 or f32), intermediate `[t*k, inter]`, outputs `[t*k, latent]` f32.
+    pub xg: DevMem,
+    pub hg: DevMem,
+    pub yg: DevMem,
+    pub weights: DevMem,
+}
+
+/// The CUDA implementation of the ops.
+pub struct CudaBackend {
+    pub gpu: Arc<Gpu>,
+    blas: Blas,
+    pub precision: Precision,
+}
+
+impl CudaBackend {
+    /// Opens GPU 0; errors (never panics) when no usable GPU, driver, NVRTC or cuBLAS exists.
+    pub fn new(precision: Precision) -> Result<Self> {
+        let gpu = Gpu::open()?;
+        let blas = Blas::new(gpu.stream())?;
+        Ok(CudaBackend { gpu, blas, precision })
+    }
+
+    fn bf16(&self) -> bool {
+        self.precision == Precision::Bf16
+    }
+
+    /// Uninitialised `[rows, cols]` f32 buffer.
+    pub fn empty(&self, rows: usize, cols: usize) -> Result<CudaBuf> {
+        Ok(CudaBuf { mem: self.gpu.alloc(rows * cols * 4)?, rows, cols })
+    }
+
+    /// Wraps device memory as a buffer.
+    pub fn buf_from(&self, mem: DevMem, rows: usize, cols: usize) -> Result<CudaBuf> {
+        ensure!(mem.bytes >= rows * cols * 4, "buffer of {} bytes too small for [{rows}, {cols}] f32", mem.bytes);
+        Ok(CudaBuf { mem, rows, cols })
+    }
+
+    /// `y[rows, n] = x[rows, k] · Wᵀ` on raw pointers (x row stride `ldx`), choosing the GEMM
+    /// precision from what the weight holds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_raw(&self, x: CUdeviceptr, ldx: usize, rows: usize, w: &CudaWeight, y: CUdeviceptr, ldy: usize) -> Result<()> {
+        if let Some(wb) = &w.bf16 {
+            let xb = self.gpu.alloc(rows * w.cols * 2)?;
+            k::f32_to_bf16_2d(&self.gpu, x, ldx, xb.ptr, rows, w.cols)?;
+            self.blas.gemm(GemmType::Bf16, xb.ptr, w.cols, wb.ptr, y, ldy, rows, w.rows, w.cols)
+        } else {
+            let wf = w.f32_ptr("gemm")?;
+            self.blas.gemm(GemmType::F32, x, ldx, wf, y, ldy, rows, w.rows, w.cols)
+        }
+    }
+
+    /// Dense bf16 GEMM on raw pointers (benchmarks): `y = x_bf16 · W_bf16ᵀ`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16_raw(&self, xb: CUdeviceptr, w: CUdeviceptr, y: CUdeviceptr, rows: usize, n: usize, kk: usize) -> Result<()> {
+        self.blas.gemm(GemmType::Bf16, xb, kk, w, y, n, rows, n, kk)
+    }
+
+    /// Groups `t*k` routed selections (`ids` i32 on the device) by expert.
+    pub fn moe_plan(&self, ids: CUdeviceptr, weights: DevMem, t: usize, top_k: usize, e: usize, layout: &ExpertLayout) -> Result<MoePlan> {
+        let g = &self.gpu;
+        let n = t * top_k;
+        let bm = if self.bf16() { k::BF16_BM } else { k::F32_BM };
+        let max_tiles = n / bm + e + 1;
+        let counts = g.alloc(e * 4)?;
+        g.memset0(&counts)?;
+        let offsets = g.alloc((e + 1) * 4)?;
+        let cursor = g.alloc(e * 4)?;
+        let tile_expert = g.alloc(max_tiles * 4)?;
+        let tile_row0 = g.alloc(max_tiles * 4)?;
+        let tile_count = g.alloc(4)?;
+        let slot_pos = g.alloc(n * 4)?;
+        let row_token = g.alloc(n * 4)?;
+        k::moe_count(g, ids, n, counts.ptr)?;
+        k::moe_offsets(g, counts.ptr, e, bm, offsets.ptr, cursor.ptr, tile_expert.ptr, tile_row0.ptr, tile_count.ptr)?;
+        k::moe_scatter(g, ids, n, top_k, offsets.ptr, cursor.ptr, slot_pos.ptr, row_token.ptr)?;
+        let esz = if self.bf16() { 2 } else { 4 };
+        let xg = g.alloc(n * layout.latent * esz)?;
+        let hg = g.alloc(n * layout.inter * esz)?;
+        let yg = g.alloc(n * layout.latent * 4)?;
+        Ok(MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, yg, weights })
+    }
+
+    /// Gathers `x_lat` rows into the plan's grouped input buffer.
+    pub fn moe_gather(&self, plan: &MoePlan, x_lat: CUdeviceptr, latent: usize) -> Result<()> {
+        k::moe_gather(&self.gpu, self.bf16(), x_lat, plan.row_token.ptr, plan.t * plan.k, latent, plan.xg.ptr)
+    }
+
+    /// Runs both expert GEMMs for experts `e_lo..e_hi` whose weights sit at `wbase` (slot 0 = `e_lo`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_run_chunk(
+        &self,
+        plan: &MoePlan,
+        layout: &ExpertLayout,
+        wbase: CUdeviceptr,
+        e_lo: usize,
+        e_hi: usize,
+        betas: SituBetas,
+        stream: Option<cudarc::driver::sys::CUstream>,
+    ) -> Result<()> {
+        let b2 = betas.linear_beta.unwrap_or(0.0);
+        let bf = self.bf16();
+        k::expert_gemm(
+            &self.gpu, stream, bf, true, plan.xg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
+            plan.max_tiles, wbase, layout.stride, layout.w1, layout.w3, e_lo, e_hi, layout.inter, layout.latent, plan.hg.ptr, betas.beta, b2,
+        )?;
+        k::expert_gemm(
+            &self.gpu, stream, bf, false, plan.hg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
+            plan.max_tiles, wbase, layout.stride, layout.w2, layout.w2, e_lo, e_hi, layout.latent, layout.inter, plan.yg.ptr, 0.0, 0.0,
+        )
+    }
+
+    /// Weighted combine of the grouped outputs back to `[t, latent]`.
+    pub fn moe_combine(&self, plan: &MoePlan, latent: usize) -> Result<CudaBuf> {
+        let out = self.empty(plan.t, latent)?;
+        k::moe_combine(&self.gpu, plan.yg.ptr, plan.slot_pos.ptr, plan.weights.ptr, plan.t, plan.k, latent, out.ptr())?;
+        Ok(out)
+    }
+
+    /// Router on the device: `(ids i32 [t,k], weights f32 [t,k], gap f32 [t])`.
+    pub fn route_device(&self, logits: &CudaBuf, bias: &CudaWeight, top_k: usize, renorm: bool, scaling: f32) -> Result<(DevMem, DevMem, DevMem)> {
+        let (t, e) = (logits.rows, logits.cols);
+        ensure!(bias.rows * bias.cols == e, "route: bias {} has {} values for {e} experts", bias.name, bias.rows * bias.cols);
+        let ids = self.gpu.alloc(t * top_k * 4)?;
+        let w = self.gpu.alloc(t * top_k * 4)?;
+        let gap = self.gpu.alloc(t * 4)?;
+        k::router_topk(&self.gpu, logits.ptr(), bias.f32_ptr("route")?, t, e, top_k, renorm, scaling, ids.ptr, w.ptr, gap.ptr)?;
+        Ok((ids, w, gap))
+    }
+
+    /// Uploads host bytes into a fresh device allocation.
+    pub fn upload_bytes(&self, bytes: &[u8]) -> Result<DevMem> {
+        let m = self.gpu.alloc(bytes.len())?;
+        self.gpu.htod(m.ptr, bytes)?;
+        Ok(m)
+    }
+
+    fn check_same(&self, op: &str, a: &CudaBuf, b: &CudaBuf) -> Result<()> {
+        ensure!(a.rows == b.rows && a.cols == b.cols, "{op}: shapes [{}, {}] and [{}, {}] differ", a.rows, a.cols, b.rows, b.cols);
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// Plan + gather in one step.
+    pub fn moe_prepare(&self, x_lat: &CudaBuf, ids: CUdeviceptr, weights: DevMem, top_k: usize, e: usize, layout: &ExpertLayout) -> Result<MoePlan> {
+        ensure!(x_lat.cols == layout.latent, "moe: x_lat has {} columns, experts take {}", x_lat.cols, layout.latent);
+        let plan = self.moe_plan(ids, weights, x_lat.rows, top_k, e, layout)?;
+        self.moe_gather(&plan, x_lat.ptr(), layout.latent)?;
+        Ok(plan)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Weight = CudaWeight;
+    type Experts = CudaExperts;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> OpResult<CudaBuf> {
+        ensure!(data.len() == rows * cols, "upload: {} values for [{rows}, {cols}]", data.len());
+        let b = self.empty(rows, cols)?;
+        self.gpu.htod(b.ptr(), data)?;
+        Ok(b)
+    }
+
+    fn download(&self, x: &CudaBuf) -> OpResult<Vec<f32>> {
+        let mut v = vec![0f32; x.len()];
+        self.gpu.dtoh(&mut v, x.ptr())?;
+        Ok(v)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> OpResult<CudaBuf> {
+        let b = self.empty(rows, cols)?;
+        self.gpu.memset0(&b.mem)?;
+        Ok(b)
+    }
+
+    fn slice_rows(&self, x: &CudaBuf, row0: usize, n: usize) -> OpResult<CudaBuf> {
+        ensure!(row0 + n <= x.rows, "slice_rows: rows {row0}..{} of a {}-row buffer", row0 + n, x.rows);
+        let b = self.empty(n, x.cols)?;
+        self.gpu.dtod(b.ptr(), x.row(row0), n * x.cols * 4)?;
+        Ok(b)
+    }
+
+    fn write_rows(&self, dst: &mut CudaBuf, row0: usize, src: &CudaBuf) -> OpResult<()> {
+        ensure!(dst.cols == src.cols, "write_rows: {} columns into {}", src.cols, dst.cols);
+        ensure!(row0 + src.rows <= dst.rows, "write_rows: rows {row0}..{} into a {}-row buffer", row0 + src.rows, dst.rows);
+        self.gpu.dtod(dst.row(row0), src.ptr(), src.len() * 4)
+    }
+
+    fn add_assign(&self, a: &mut CudaBuf, b: &CudaBuf) -> OpResult<()> {
+        self.check_same("add_assign", a, b)?;
+        k::add_f32(&self.gpu, a.ptr(), b.ptr(), a.ptr(), a.len())
+    }
+
+    fn load_dense(&self, w: &HostTensor<'_>) -> OpResult<CudaWeight> {
+        let n = w.rows * w.cols;
+        let esize = match w.dtype {
+            DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::U8 => bail!("tensor {}: U8 (MXFP4) data is not a dense weight", w.name),
+        };
+        ensure!(w.bytes.len() == n * esize, "tensor {}: {} bytes, expected {} for [{}, {}]", w.name, w.bytes.len(), n * esize, w.rows, w.cols);
+        // The router's logits are FP32 by the spec (§3.6): keep its weight f32 in every precision.
+        let is_router = w.name.ends_with("block_sparse_moe.gate.weight");
+        let keep_bf16 = self.bf16() && w.dtype == DType::BF16 && w.rows > 1 && !is_router;
+        let raw = self.upload_bytes(&w.bytes)?;
+        let (f32m, bf16m) = match (w.dtype, keep_bf16) {
+            (DType::BF16, true) => (None, Some(raw)),
+            (DType::BF16, false) => {
+                let f = self.gpu.alloc(n * 4)?;
+                k::bf16_to_f32(&self.gpu, raw.ptr, f.ptr, n)?;
+                (Some(f), None)
+            }
+            _ => (Some(raw), None),
+        };
+        Ok(CudaWeight { name: w.name.to_string(), rows: w.rows, cols: w.cols, f32: f32m, bf16: bf16m })
+    }
+
+    fn load_experts(&self, experts: &[ExpertHostWeights<'_>]) -> OpResult<CudaExperts> {
+        ensure!(!experts.is_empty(), "load_experts: no experts");
+        let e0 = &experts[0];
+        let layout = ExpertLayout::new(e0.w1.out_features, e0.w1.in_features)?;
+        let mut host = vec![0u8; layout.stride * experts.len()];
+        for (i, e) in experts.iter().enumerate() {
+            layout.fill_slot(e, &mut host[i * layout.stride..(i + 1) * layout.stride]).map_err(|err| anyhow!("expert {i}: {err}"))?;
+        }
+        let arena = self.upload_bytes(&host)?;
+        Ok(CudaExperts { arena, n: experts.len(), layout })
+    }
+
+    fn gemm(&self, x: &CudaBuf, w: &CudaWeight) -> OpResult<CudaBuf> {
+        ensure!(x.cols == w.cols, "gemm: x [{}, {}] · {} [{}, {}]ᵀ", x.rows, x.cols, w.name, w.rows, w.cols);
+        let y = self.empty(x.rows, w.rows)?;
+        self.gemm_raw(x.ptr(), x.cols, x.rows, w, y.ptr(), w.rows)?;
+        Ok(y)
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32) -> OpResult<CudaBuf> {
+        ensure!(w.rows * w.cols == x.cols, "rms_norm: weight {} has {} values for {} columns", w.name, w.rows * w.cols, x.cols);
+        let y = self.empty(x.rows, x.cols)?;
+        k::rmsnorm_rows(&self.gpu, x.ptr(), x.cols, w.f32_ptr("rms_norm")?, y.ptr(), x.cols, x.rows, x.cols, eps, self.bf16())?;
+        Ok(y)
+    }
+
+    fn situ_glu(&self, gate: &CudaBuf, up: &CudaBuf, betas: SituBetas) -> OpResult<CudaBuf> {
+        self.check_same("situ_glu", gate, up)?;
+        let y = self.empty(gate.rows, gate.cols)?;
+        let b2 = betas.linear_beta.unwrap_or(0.0);
+        k::situ_glu(&self.gpu, gate.ptr(), gate.cols, up.ptr(), up.cols, y.ptr(), y.cols, gate.rows, gate.cols, betas.beta, b2, self.bf16())?;
+        Ok(y)
+    }
+
+    fn sigmoid(&self, x: &CudaBuf) -> OpResult<CudaBuf> {
+        let y = self.empty(x.rows, x.cols)?;
+        k::sigmoid(&self.gpu, x.ptr(), y.ptr(), x.len())?;
+        Ok(y)
+    }
+
+    fn sigmoid_gate_mul(&self, a: &mut CudaBuf, gate: &CudaBuf) -> OpResult<()> {
+        self.check_same("sigmoid_gate_mul", a, gate)?;
+        k::mul_sigmoid(&self.gpu, a.ptr(), a.cols, gate.ptr(), gate.cols, a.rows, a.cols)
+    }
+
+    fn attn_res_mix(&self, bank: &[&CudaBuf], p: &CudaBuf, norm_w: &CudaWeight, proj_w: &CudaWeight, eps: f32) -> OpResult<CudaBuf> {
+        for b in bank {
+            self.check_same("attn_res_mix", b, p)?;
+        }
+        ensure!(norm_w.rows * norm_w.cols == p.cols && proj_w.rows * proj_w.cols == p.cols, "attn_res_mix: weights do not match width {}", p.cols);
+        let out = self.empty(p.rows, p.cols)?;
+        let ptrs: Vec<u64> = bank.iter().map(|b| b.ptr()).collect();
+        k::attnres_mix(&self.gpu, &ptrs, p.ptr(), norm_w.f32_ptr("attn_res")?, proj_w.f32_ptr("attn_res")?, out.ptr(), p.rows, p.cols, eps, self.bf16())?;
+        Ok(out)
+    }
+
+    fn short_conv_silu(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf) -> OpResult<CudaBuf> {
+        let (c, kw) = (w.rows, w.cols);
+        ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
+        let y = self.empty(x.rows, c)?;
+        k::short_conv_silu(&self.gpu, x.ptr(), c, window.ptr(), w.f32_ptr("short_conv")?, y.ptr(), c, x.rows, c, kw)?;
+        let nw = self.empty(kw - 1, c)?;
+        k::conv_window_update(&self.gpu, x.ptr(), c, window.ptr(), nw.ptr(), x.rows, c, kw)?;
+        *window = nw;
+        Ok(y)
+    }
+
+    fn l2_norm_heads(&self, x: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()> {
+        ensure!(head_dim > 0 && x.cols % head_dim == 0, "l2_norm_heads: {} columns not a multiple of {head_dim}", x.cols);
+        k::l2_norm_heads(&self.gpu, x.ptr(), x.rows, x.cols / head_dim, head_dim, eps, scale)
+    }
+
+    fn kda_gate(&self, z: &CudaBuf, a_log: &CudaWeight, dt_bias: &CudaWeight, dims: KdaDims, lower_bound: Option<f32>) -> OpResult<CudaBuf> {
+        ensure!(z.cols == dims.width(), "kda_gate: z has {} columns, heads*dim = {}", z.cols, dims.width());
+        ensure!(a_log.rows * a_log.cols >= dims.heads, "kda_gate: A_log has fewer than {} values", dims.heads);
+        ensure!(dt_bias.rows * dt_bias.cols == dims.width(), "kda_gate: dt_bias has {} values", dt_bias.rows * dt_bias.cols);
+        let g = self.empty(z.rows, z.cols)?;
+        k::kda_gate(&self.gpu, z.ptr(), a_log.f32_ptr("kda_gate")?, dt_bias.f32_ptr("kda_gate")?, g.ptr(), z.rows, dims.heads, dims.head_dim, lower_bound)?;
+        Ok(g)
+    }
+
+    fn kda_chunked(
+        &self,
+        q: &CudaBuf,
+        kk: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        state: &mut CudaBuf,
+        dims: KdaDims,
+        chunk: usize,
+    ) -> OpResult<CudaBuf> {
+        let (t, h, d) = (q.rows, dims.heads, dims.head_dim);
+        for (n, b) in [("k", kk), ("v", v), ("g", g)] {
+            ensure!(b.rows == t && b.cols == dims.width(), "kda_chunked: {n} is [{}, {}], expected [{t}, {}]", b.rows, b.cols, dims.width());
+        }
+        ensure!(q.cols == dims.width(), "kda_chunked: q has {} columns", q.cols);
+        ensure!(beta.rows == t && beta.cols == h, "kda_chunked: beta [{}, {}], expected [{t}, {h}]", beta.rows, beta.cols);
+        ensure!(state.len() == dims.state_len(), "kda_chunked: state has {} values, expected {}", state.len(), dims.state_len());
+        if chunk != 64 {
+            tracing::debug!(chunk, "kda_chunked: the CUDA kernel always uses 64-row chunks (same result)");
+        }
+        let out = self.empty(t, dims.width())?;
+        if t == 0 {
+            return Ok(out);
+        }
+        if d % 32 != 0 || d > 128 {
+            // the chunked kernel's tiling needs these; the recurrence is the same function
+            return self.kda_recurrent(q, kk, v, g, beta, state, dims);
+        }
+        let nch_total = t.div_ceil(64);
+        let per_chunk = k::kda_ws_floats(d) * h * 4;
+        let seg = ((2usize << 30) / per_chunk).clamp(1, nch_total);
+        let ws = self.gpu.alloc(seg * per_chunk)?;
+        let mut c0 = 0;
+        while c0 < nch_total {
+            let n = seg.min(nch_total - c0);
+            k::kda_chunk_prep(&self.gpu, q.ptr(), kk.ptr(), v.ptr(), g.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            k::kda_chunk_scan(&self.gpu, ws.ptr, state.ptr(), out.ptr(), t, h, d, c0, n)?;
+            c0 += n;
+        }
+        Ok(out)
+    }
+
+    fn kda_recurrent(
+        &self,
+        q: &CudaBuf,
+        kk: &CudaBuf,
+        v: &CudaBuf,
+        g: &CudaBuf,
+        beta: &CudaBuf,
+        state: &mut CudaBuf,
+        dims: KdaDims,
+    ) -> OpResult<CudaBuf> {
+        let t = q.rows;
+        ensure!(kk.rows == t && v.rows == t && g.rows == t && beta.rows == t, "kda_recurrent: row counts differ");
+        ensure!(state.len() == dims.state_len(), "kda_recurrent: state has {} values, expected {}", state.len(), dims.state_len());
+        let out = self.empty(t, dims.width())?;
+        k::kda_recurrent(&self.gpu, q.ptr(), kk.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), t, dims.heads, dims.head_dim)?;
+        Ok(out)
+    }
+
+    fn gated_rms_norm(&self, o: &CudaBuf, gate: &CudaBuf, w: &CudaWeight, head_dim: usize, eps: f32) -> OpResult<CudaBuf> {
+        self.check_same("gated_rms_norm", o, gate)?;
+        ensure!(head_dim > 0 && o.cols % head_dim == 0 && w.rows * w.cols == head_dim, "gated_rms_norm: widths {} / {head_dim} / weight {}", o.cols, w.rows * w.cols);
+        let y = self.empty(o.rows, o.cols)?;
+        k::kda_gated_norm(&self.gpu, o.ptr(), gate.ptr(), gate.cols, w.f32_ptr("gated_rms_norm")?, y.ptr(), o.rows, o.cols / head_dim, head_dim, eps, self.bf16())?;
+        Ok(y)
+    }
+
+    fn mla_latent(&self, kv: &CudaBuf, w: &CudaWeight, eps: f32, dims: MlaDims) -> OpResult<CudaBuf> {
+        ensure!(kv.cols == dims.latent(), "mla_latent: kv has {} columns, expected {}", kv.cols, dims.latent());
+        ensure!(w.rows * w.cols == dims.kv_lora, "mla_latent: norm weight has {} values", w.rows * w.cols);
+        let y = self.empty(kv.rows, kv.cols)?;
+        k::mla_latent(&self.gpu, kv.ptr(), w.f32_ptr("mla_latent")?, y.ptr(), kv.rows, dims.kv_lora, dims.rope, eps)?;
+        Ok(y)
+    }
+
+    fn mla_attention(&self, q: &CudaBuf, cache: &CudaBuf, kv_b: &CudaWeight, dims: MlaDims, pos0: usize, _form: MlaForm) -> OpResult<CudaBuf> {
+        // Both forms compute the same function; the GPU always evaluates the expanded one.
+        let (tq, h) = (q.rows, dims.heads);
+        let tk = pos0 + tq;
+        ensure!(q.cols == h * dims.qk(), "mla_attention: q has {} columns, expected {}", q.cols, h * dims.qk());
+        ensure!(cache.cols == dims.latent() && cache.rows >= tk, "mla_attention: cache [{}, {}] for {tk} positions", cache.rows, cache.cols);
+        ensure!(kv_b.rows == h * (dims.nope + dims.v) && kv_b.cols == dims.kv_lora, "mla_attention: kv_b is [{}, {}]", kv_b.rows, kv_b.cols);
+        let kvw = h * (dims.nope + dims.v);
+        let kv = self.empty(tk, kvw)?;
+        self.gemm_raw(cache.ptr(), cache.cols, tk, kv_b, kv.ptr(), kvw)?;
+        let kpe = cache.ptr() + (dims.kv_lora * 4) as u64;
+        let out = self.empty(tq, h * dims.v)?;
+        let (dqk, dv) = (dims.qk(), dims.v);
+        if self.bf16() && k::mla_bf16_supported(dqk, dv) {
+            let qb = self.gpu.alloc(tq * h * dqk * 2)?;
+            let kb = self.gpu.alloc(tk * h * dqk * 2)?;
+            let vb = self.gpu.alloc(tk * h * dv * 2)?;
+            k::mla_pack_q(&self.gpu, q.ptr(), q.cols, qb.ptr, tq, h, dqk, dv)?;
+            k::mla_pack_kv(&self.gpu, kv.ptr(), kvw, kpe, cache.cols, kb.ptr, vb.ptr, tk, h, dims.nope, dims.rope, dv)?;
+            k::mla_attn_bf16(&self.gpu, qb.ptr, kb.ptr, vb.ptr, out.ptr(), h * dv, tq, pos0, h, dqk, dv, dims.scale())?;
+        } else {
+            k::mla_attn_f32(&self.gpu, q.ptr(), q.cols, kv.ptr(), kvw, kpe, cache.cols, out.ptr(), h * dv, tq, pos0, h, dims.nope, dims.rope, dv, dims.scale())?;
+        }
+        Ok(out)
+    }
+
+    fn route(&self, logits: &CudaBuf, bias: &CudaWeight, top_k: usize, renormalize: bool, scaling: f32) -> OpResult<Routing> {
+        let t = logits.rows;
+        let (ids, w, gap) = self.route_device(logits, bias, top_k, renormalize, scaling)?;
+        let mut ids_h = vec![0i32; t * top_k];
+        let mut w_h = vec![0f32; t * top_k];
+        let mut gap_h = vec![0f32; t];
+        self.gpu.dtoh(&mut ids_h, ids.ptr)?;
+        self.gpu.dtoh(&mut w_h, w.ptr)?;
+        self.gpu.dtoh(&mut gap_h, gap.ptr)?;
+        Ok(Routing { top_k, ids: ids_h.into_iter().map(|i| i as u32).collect(), weights: w_h, gap: gap_h })
+    }
+
+    fn moe_experts(&self, x_lat: &CudaBuf, routing: &Routing, experts: &CudaExperts, betas: SituBetas) -> OpResult<CudaBuf> {
+        let (t, kk) = (x_lat.rows, routing.top_k);
+        ensure!(routing.ids.len() == t * kk && routing.weights.len() == t * kk, "moe_experts: routing for {} rows, x has {t}", routing.rows());
+        if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= experts.n) {
+            bail!("moe_experts: expert id {bad} out of range (layer has {} experts)", experts.n);
+        }
+        let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
+        let ids_d = self.upload_bytes(bytemuck::cast_slice(&ids))?;
+        let w_d = self.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
+        let layout = experts.layout;
+        let plan = self.moe_prepare(x_lat, ids_d.ptr, w_d, kk, experts.n, &layout)?;
+        self.moe_run_chunk(&plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
+        self.moe_combine(&plan, layout.latent)
+    }
+}

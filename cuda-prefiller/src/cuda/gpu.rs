@@ -1,0 +1,421 @@
+//! The device: context, a compute and a copy stream, device and pinned host memory, kernel
+//! modules and launches. Thin and explicit on purpose: raw device pointers, stream-ordered
+//! allocation, events where two streams meet.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use super::nvrtc;
+
+/// Turns a driver status into an error naming what was being done.
+pub fn ck(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a static string pointer.
+    let msg = unsafe {
+        if sys::cuGetErrorString(r, &mut p) == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        } else {
+            format!("{r:?}")
+        }
+    };
+    Err(anyhow!("CUDA error in {what}: {msg} ({r:?})"))
+}
+
+struct Streams {
+    compute: sys::CUstream,
+    copy: sys::CUstream,
+}
+// SAFETY: CUDA streams may be used from any thread of the process once the context is bound.
+unsafe impl Send for Streams {}
+unsafe impl Sync for Streams {}
+
+#[derive(Clone, Copy)]
+pub struct Func(pub sys::CUfunction);
+// SAFETY: function handles are process-global and immutable.
+unsafe impl Send for Func {}
+unsafe impl Sync for Func {}
+
+struct Module {
+    _m: sys::CUmodule,
+    funcs: HashMap<String, Func>,
+}
+unsafe impl Send for Module {}
+
+/// One GPU: context, streams, compiled kernel modules.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    streams: Streams,
+    modules: Mutex<HashMap<String, Module>>,
+    pub name: String,
+    pub cc: (i32, i32),
+    pub sm_count: i32,
+    pub smem_optin: i32,
+}
+
+impl Gpu {
+    /// Opens GPU 0. Fails with a clear message when no usable GPU/driver/NVRTC/cuBLAS exists.
+    pub fn open() -> Result<Arc<Gpu>> {
+        super::probe().map_err(|e| anyhow!("CUDA backend unavailable: {e}"))?;
+        let ctx = CudaContext::new(0).map_err(|e| anyhow!("cannot open GPU 0: {e}"))?;
+        let name = ctx.name().unwrap_or_default();
+        let cc = ctx.compute_capability().map_err(|e| anyhow!("compute capability: {e}"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow!("{e}"))?;
+        let smem_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| anyhow!("{e}"))?;
+        let mut compute = std::ptr::null_mut();
+        let mut copy = std::ptr::null_mut();
+        // SAFETY: the context is bound to this thread by CudaContext::new.
+        unsafe {
+            ck(sys::cuStreamCreate(&mut compute, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
+            ck(sys::cuStreamCreate(&mut copy, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
+            // keep freed stream-ordered memory in the pool instead of returning it at every sync
+            let mut pool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+                let mut thr: u64 = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut thr as *mut u64 as *mut c_void,
+                );
+            }
+        }
+        tracing::info!(gpu = %name, sm = format!("{}{}", cc.0, cc.1), sms = sm_count, "CUDA device opened");
+        Ok(Arc::new(Gpu { ctx, streams: Streams { compute, copy }, modules: Mutex::new(HashMap::new()), name, cc, sm_count, smem_optin }))
+    }
+
+    /// Binds the context to the calling thread (cheap; every entry point calls it).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| anyhow!("cannot bind the CUDA context: {e}"))
+    }
+
+    pub fn stream(&self) -> sys::CUstream {
+        self.streams.compute
+    }
+    pub fn copy_stream(&self) -> sys::CUstream {
+        self.streams.copy
+    }
+
+    /// `sm_XY` for NVRTC.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.cc.0, self.cc.1)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: valid stream handle.
+        unsafe { ck(sys::cuStreamSynchronize(self.streams.compute), "synchronize compute stream") }
+    }
+
+    pub fn sync_copy(&self) -> Result<()> {
+        self.bind()?;
+        unsafe { ck(sys::cuStreamSynchronize(self.streams.copy), "synchronize copy stream") }
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut f, mut t) = (0usize, 0usize);
+        unsafe { ck(sys::cuMemGetInfo_v2(&mut f, &mut t), "cuMemGetInfo")? };
+        Ok((f, t))
+    }
+
+    /// A kernel function from `kernels/<module>.cu` compiled with `defines` (e.g. `["MLA_DQK=192"]`).
+    pub fn func(&self, module: &str, defines: &[String], name: &str) -> Result<Func> {
+        let key = format!("{module}|{}", defines.join(","));
+        let mut mods = self.modules.lock().map_err(|_| anyhow!("kernel module table poisoned"))?;
+        if !mods.contains_key(&key) {
+            self.bind()?;
+            let image = nvrtc::compile_cached(module, defines, &self.arch())?;
+            let mut m = std::ptr::null_mut();
+            // SAFETY: image is a CUBIN produced by NVRTC for this device's architecture.
+            unsafe { ck(sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void), &format!("loading kernels/{module}.cu"))? };
+            mods.insert(key.clone(), Module { _m: m, funcs: HashMap::new() });
+        }
+        let module_entry = mods.get_mut(&key).expect("inserted above");
+        if let Some(f) = module_entry.funcs.get(name) {
+            return Ok(*f);
+        }
+        let cname = CString::new(name)?;
+        let mut f = std::ptr::null_mut();
+        unsafe {
+            ck(sys::cuModuleGetFunction(&mut f, module_entry._m, cname.as_ptr()), &format!("kernel {name} in kernels/{module}.cu"))?;
+            if self.smem_optin > 48 * 1024 {
+                ck(
+                    sys::cuFuncSetAttribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        self.smem_optin - 1024,
+                    ),
+                    "raising the dynamic shared memory limit",
+                )?;
+            }
+        }
+        module_entry.funcs.insert(name.to_string(), Func(f));
+        Ok(Func(f))
+    }
+
+    /// Launches `f` on the compute stream.
+    pub fn launch(&self, f: Func, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32, args: &mut KArgs, what: &str) -> Result<()> {
+        self.launch_on(self.streams.compute, f, grid, block, smem, args, what)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_on(
+        &self,
+        stream: sys::CUstream,
+        f: Func,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &mut KArgs,
+        what: &str,
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        if smem as i32 > self.smem_optin {
+            bail!("{what}: needs {smem} bytes of shared memory, the device allows {}", self.smem_optin);
+        }
+        let mut ptrs = args.ptrs();
+        // SAFETY: the argument list matches the kernel signature (each call site mirrors its .cu).
+        unsafe {
+            ck(
+                sys::cuLaunchKernel(f.0, grid.0, grid.1, grid.2, block.0, block.1, block.2, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()),
+                what,
+            )
+        }
+    }
+
+    /// Device memory, stream-ordered on the compute stream.
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevMem> {
+        self.bind()?;
+        let mut p: sys::CUdeviceptr = 0;
+        if bytes > 0 {
+            unsafe {
+                ck(sys::cuMemAllocAsync(&mut p, bytes, self.streams.compute), &format!("allocating {bytes} bytes of device memory"))?
+            };
+        }
+        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: false })
+    }
+
+    /// Device memory from the synchronous allocator (long-lived arenas shared by both streams).
+    pub fn alloc_sync(self: &Arc<Self>, bytes: usize) -> Result<DevMem> {
+        self.bind()?;
+        let mut p: sys::CUdeviceptr = 0;
+        if bytes > 0 {
+            unsafe { ck(sys::cuMemAlloc_v2(&mut p, bytes), &format!("allocating {bytes} bytes of device memory"))? };
+        }
+        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: true })
+    }
+
+    pub fn memset0(&self, m: &DevMem) -> Result<()> {
+        if m.bytes == 0 {
+            return Ok(());
+        }
+        unsafe { ck(sys::cuMemsetD8Async(m.ptr, 0, m.bytes, self.streams.compute), "cuMemsetD8Async") }
+    }
+
+    /// Host → device on the compute stream (pageable source: the call returns once it is staged).
+    pub fn htod<T: Copy>(&self, dst: sys::CUdeviceptr, src: &[T]) -> Result<()> {
+        self.bind()?;
+        let n = std::mem::size_of_val(src);
+        if n == 0 {
+            return Ok(());
+        }
+        unsafe {
+            ck(sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, n, self.streams.compute), "host-to-device copy")?;
+            ck(sys::cuStreamSynchronize(self.streams.compute), "host-to-device copy")
+        }
+    }
+
+    /// Device → host, synchronous with respect to the compute stream.
+    pub fn dtoh<T: Copy>(&self, dst: &mut [T], src: sys::CUdeviceptr) -> Result<()> {
+        self.bind()?;
+        let n = std::mem::size_of_val(dst);
+        if n == 0 {
+            return Ok(());
+        }
+        unsafe {
+            ck(sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src, n, self.streams.compute), "device-to-host copy")?;
+            ck(sys::cuStreamSynchronize(self.streams.compute), "device-to-host copy")
+        }
+    }
+
+    pub fn dtod(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        unsafe { ck(sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.streams.compute), "device-to-device copy") }
+    }
+
+    /// Pinned (page-locked) host memory, for async H2D at full PCIe speed. Allocate once, reuse.
+    pub fn pinned(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuf> {
+        self.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        unsafe {
+            ck(
+                sys::cuMemHostAlloc(&mut p, bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE),
+                &format!("allocating {bytes} bytes of pinned host memory"),
+            )?
+        };
+        Ok(PinnedBuf { ptr: p as *mut u8, bytes, gpu: self.clone() })
+    }
+
+    pub fn event(&self) -> Result<Event> {
+        self.bind()?;
+        let mut e = std::ptr::null_mut();
+        unsafe { ck(sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32), "cuEventCreate")? };
+        Ok(Event(e))
+    }
+}
+
+/// A CUDA event (timing and cross-stream ordering).
+pub struct Event(pub sys::CUevent);
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+impl Event {
+    pub fn record(&self, stream: sys::CUstream) -> Result<()> {
+        unsafe { ck(sys::cuEventRecord(self.0, stream), "cuEventRecord") }
+    }
+    pub fn wait_on(&self, stream: sys::CUstream) -> Result<()> {
+        unsafe { ck(sys::cuStreamWaitEvent(stream, self.0, 0), "cuStreamWaitEvent") }
+    }
+    pub fn sync(&self) -> Result<()> {
+        unsafe { ck(sys::cuEventSynchronize(self.0), "cuEventSynchronize") }
+    }
+    pub fn is_done(&self) -> bool {
+        unsafe { sys::cuEventQuery(self.0) == sys::CUresult::CUDA_SUCCESS }
+    }
+    /// Milliseconds from `self` to `end` (both recorded and complete).
+    pub fn ms_to(&self, end: &Event) -> Result<f32> {
+        let mut ms = 0.0f32;
+        unsafe { ck(sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0), "cuEventElapsedTime")? };
+        Ok(ms)
+    }
+}
+impl Drop for Event {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = sys::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
+/// Device memory owned by this process; freed when dropped.
+pub struct DevMem {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+    gpu: Arc<Gpu>,
+    sync_alloc: bool,
+}
+unsafe impl Send for DevMem {}
+unsafe impl Sync for DevMem {}
+
+impl DevMem {
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    /// Byte offset into the allocation.
+    pub fn at(&self, off: usize) -> sys::CUdeviceptr {
+        self.ptr + off as u64
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        let _ = self.gpu.bind();
+        unsafe {
+            if self.sync_alloc {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            } else {
+                let _ = sys::cuMemFreeAsync(self.ptr, self.gpu.streams.compute);
+            }
+        }
+    }
+}
+
+/// Page-locked host memory.
+pub struct PinnedBuf {
+    ptr: *mut u8,
+    bytes: usize,
+    gpu: Arc<Gpu>,
+}
+unsafe impl Send for PinnedBuf {}
+unsafe impl Sync for PinnedBuf {}
+
+impl PinnedBuf {
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for `bytes` bytes for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+    /// Async copy of `len` bytes at `off` to device address `dst` on `stream`.
+    pub fn copy_to_device(&self, off: usize, len: usize, dst: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+        if off + len > self.bytes {
+            bail!("pinned copy {off}+{len} past the end of a {}-byte staging buffer", self.bytes);
+        }
+        unsafe { ck(sys::cuMemcpyHtoDAsync_v2(dst, self.ptr.add(off) as *const c_void, len, stream), "pinned host-to-device copy") }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        unsafe {
+            let _ = sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+/// Kernel arguments, each stored by value in 8-byte aligned storage.
+#[derive(Default)]
+pub struct KArgs {
+    data: Vec<Box<[u64]>>,
+}
+
+impl KArgs {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn arg<T: Copy + 'static>(mut self, v: T) -> Self {
+        let n = std::mem::size_of::<T>().div_ceil(8).max(1);
+        let mut b = vec![0u64; n].into_boxed_slice();
+        // SAFETY: the box holds at least size_of::<T>() bytes, 8-byte aligned (enough for every kernel parameter type).
+        unsafe { std::ptr::write_unaligned(b.as_mut_ptr() as *mut T, v) };
+        self.data.push(b);
+        self
+    }
+    fn ptrs(&mut self) -> Vec<*mut c_void> {
+        self.data.iter_mut().map(|b| b.as_mut_ptr() as *mut c_void).collect()
+    }
+}
+
+/// `ceil(a / b)` as u32 for grid sizes, with an error if it does not fit.
+pub fn blocks(a: usize, b: usize) -> Result<u32> {
+    u32::try_from(a.div_ceil(b)).context("grid dimension overflow")
+}

@@ -1,0 +1,448 @@
+//! Typed launchers for the kernels of `kernels/*.cu`: one function per kernel, arguments in the
+//! order of the kernel signature. Device pointers are raw `u64` addresses; callers own the memory.
+
+use anyhow::{bail, Result};
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+
+use super::gpu::{blocks, Gpu, KArgs};
+
+type P = CUdeviceptr;
+
+/// A 1-D grid for an elementwise kernel over `n` items (grid-stride loops inside).
+fn grid1(gpu: &Gpu, n: usize) -> (u32, u32, u32) {
+    let b = n.div_ceil(256).clamp(1, (gpu.sm_count.max(1) as usize) * 32);
+    (b as u32, 1, 1)
+}
+
+pub fn bf16_to_f32(gpu: &Gpu, inp: P, out: P, n: usize) -> Result<()> {
+    let f = gpu.func("convert", &[], "bf16_to_f32")?;
+    gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(inp).arg(out).arg(n as i64), "bf16_to_f32")
+}
+
+pub fn f32_to_bf16_2d(gpu: &Gpu, inp: P, ins: usize, out: P, rows: usize, cols: usize) -> Result<()> {
+    let f = gpu.func("convert", &[], "f32_to_bf16_2d")?;
+    let a = KArgs::new().arg(inp).arg(ins as i64).arg(out).arg(rows as i32).arg(cols as i32);
+    gpu.launch(f, grid1(gpu, rows * cols), (256, 1, 1), 0, &mut { a }, "f32_to_bf16_2d")
+}
+
+pub fn add_f32(gpu: &Gpu, a: P, b: P, y: P, n: usize) -> Result<()> {
+    let f = gpu.func("convert", &[], "add_f32")?;
+    gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(a).arg(b).arg(y).arg(n as i64), "add_f32")
+}
+
+pub fn mul_sigmoid(gpu: &Gpu, y: P, ys: usize, g: P, gs: usize, rows: usize, n: usize) -> Result<()> {
+    let f = gpu.func("convert", &[], "mul_sigmoid")?;
+    let mut a = KArgs::new().arg(y).arg(ys as i64).arg(g).arg(gs as i64).arg(rows as i32).arg(n as i32);
+    gpu.launch(f, grid1(gpu, rows * n), (256, 1, 1), 0, &mut a, "mul_sigmoid")
+}
+
+pub fn embed_rows(gpu: &Gpu, table: P, ids: P, out: P, t: usize, h: usize) -> Result<()> {
+    let f = gpu.func("convert", &[], "embed_rows")?;
+    let mut a = KArgs::new().arg(table).arg(ids).arg(out).arg(t as i32).arg(h as i32);
+    gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "embed_rows")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_rows(gpu: &Gpu, x: P, xs: usize, w: P, y: P, ys: usize, rows: usize, n: usize, eps: f32, bf16_cast: bool) -> Result<()> {
+    let f = gpu.func("rmsnorm", &[], "rmsnorm_rows")?;
+    let mut a =
+        KArgs::new().arg(x).arg(xs as i64).arg(w).arg(y).arg(ys as i64).arg(rows as i32).arg(n as i32).arg(eps).arg(bf16_cast as i32);
+    gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "rmsnorm_rows")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn mla_latent(gpu: &Gpu, kv: P, w: P, out: P, rows: usize, kv_lora: usize, rope: usize, eps: f32) -> Result<()> {
+    let f = gpu.func("rmsnorm", &[], "mla_latent")?;
+    let mut a = KArgs::new().arg(kv).arg(w).arg(out).arg(rows as i32).arg(kv_lora as i32).arg(rope as i32).arg(eps);
+    gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "mla_latent")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn situ_glu(gpu: &Gpu, g: P, gs: usize, u: P, us: usize, out: P, os: usize, rows: usize, n: usize, b1: f32, b2: f32, bf16_out: bool) -> Result<()> {
+    let f = gpu.func("situ", &[], "situ_glu")?;
+    let mut a = KArgs::new()
+        .arg(g)
+        .arg(gs as i64)
+        .arg(u)
+        .arg(us as i64)
+        .arg(out)
+        .arg(os as i64)
+        .arg(rows as i32)
+        .arg(n as i32)
+        .arg(b1)
+        .arg(b2)
+        .arg(bf16_out as i32);
+    gpu.launch(f, grid1(gpu, rows * n), (256, 1, 1), 0, &mut a, "situ_glu")
+}
+
+/// Bank pointer table passed by value (matches `BankPtrs` in attnres.cu).
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BankPtrs(pub [u64; 32]);
+
+#[allow(clippy::too_many_arguments)]
+pub fn attnres_mix(gpu: &Gpu, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t: usize, h: usize, eps: f32, bf16_out: bool) -> Result<()> {
+    if bank.len() > 31 {
+        bail!("attn_res_mix: {} bank entries, the kernel takes at most 31", bank.len());
+    }
+    let mut ptrs = [0u64; 32];
+    ptrs[..bank.len()].copy_from_slice(bank);
+    let f = gpu.func("attnres", &[], "attnres_mix")?;
+    let mut a = KArgs::new()
+        .arg(BankPtrs(ptrs))
+        .arg(bank.len() as i32)
+        .arg(p)
+        .arg(norm_w)
+        .arg(proj_w)
+        .arg(out)
+        .arg(t as i32)
+        .arg(h as i32)
+        .arg(eps)
+        .arg(bf16_out as i32);
+    gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "attnres_mix")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn short_conv_silu(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: usize, t: usize, c: usize, kw: usize) -> Result<()> {
+    let f = gpu.func("short_conv", &[], "short_conv_silu")?;
+    let mut a =
+        KArgs::new().arg(x).arg(xs as i64).arg(state).arg(w).arg(y).arg(ys as i64).arg(t as i32).arg(c as i32).arg(kw as i32);
+    gpu.launch(f, grid1(gpu, t * c), (256, 1, 1), 0, &mut a, "short_conv_silu")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn conv_window_update(gpu: &Gpu, x: P, xs: usize, state_in: P, state_out: P, t: usize, c: usize, kw: usize) -> Result<()> {
+    let f = gpu.func("short_conv", &[], "conv_window_update")?;
+    let mut a = KArgs::new().arg(x).arg(xs as i64).arg(state_in).arg(state_out).arg(t as i32).arg(c as i32).arg(kw as i32);
+    gpu.launch(f, grid1(gpu, (kw - 1) * c), (256, 1, 1), 0, &mut a, "conv_window_update")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk(gpu: &Gpu, logits: P, bias: P, t: usize, e: usize, k: usize, renorm: bool, scale: f32, idx: P, w: P, gap: P) -> Result<()> {
+    if k == 0 || k > 64 || k > e {
+        bail!("router: top-{k} of {e} experts is not supported (1 <= k <= min(64, E))");
+    }
+    let f = gpu.func("router", &[], "router_topk")?;
+    let mut a = KArgs::new()
+        .arg(logits)
+        .arg(bias)
+        .arg(t as i32)
+        .arg(e as i32)
+        .arg(k as i32)
+        .arg(renorm as i32)
+        .arg(scale)
+        .arg(idx)
+        .arg(w)
+        .arg(gap);
+    gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), (e * 4) as u32, &mut a, "router_topk")
+}
+
+// ---- KDA ---------------------------------------------------------------------------------
+
+pub fn l2_norm_heads(gpu: &Gpu, x: P, rows: usize, h: usize, d: usize, eps: f32, scale: f32) -> Result<()> {
+    let f = gpu.func("kda", &[], "l2_norm_heads")?;
+    let mut a = KArgs::new().arg(x).arg(rows as i32).arg(h as i32).arg(d as i32).arg(eps).arg(scale);
+    gpu.launch(f, grid1(gpu, rows * h * 32), (256, 1, 1), 0, &mut a, "l2_norm_heads")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn kda_gate(gpu: &Gpu, z: P, a_log: P, dt_bias: P, g: P, rows: usize, h: usize, d: usize, lower_bound: Option<f32>) -> Result<()> {
+    let f = gpu.func("kda", &[], "kda_gate")?;
+    let mut a = KArgs::new()
+        .arg(z)
+        .arg(a_log)
+        .arg(dt_bias)
+        .arg(g)
+        .arg(rows as i32)
+        .arg(h as i32)
+        .arg(d as i32)
+        .arg(lower_bound.is_some() as i32)
+        .arg(lower_bound.unwrap_or(0.0));
+    gpu.launch(f, grid1(gpu, rows * h * d), (256, 1, 1), 0, &mut a, "kda_gate")
+}
+
+pub fn sigmoid(gpu: &Gpu, x: P, y: P, n: usize) -> Result<()> {
+    let f = gpu.func("kda", &[], "sigmoid_f32")?;
+    gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(x).arg(y).arg(n as i64), "sigmoid")
+}
+
+/// Floats of one (chunk, head) workspace entry of the chunked KDA (mirrors `kda_ws_floats`).
+pub fn kda_ws_floats(d: usize) -> usize {
+    4 * 64 * d + 64 * 64 + d
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk_prep(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
+    let f = gpu.func("kda", &[], "kda_chunk_prep")?;
+    let smem = ((4 * 64 * d + 64 * 64 + 64) * 4) as u32;
+    let mut a = KArgs::new().arg(q).arg(k).arg(v).arg(g).arg(beta).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(ws);
+    gpu.launch(f, (nch as u32, h as u32, 1), (256, 1, 1), smem, &mut a, "kda_chunk_prep")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk_scan(gpu: &Gpu, ws: P, s: P, out: P, t: usize, h: usize, d: usize, c0: usize, nch: usize) -> Result<()> {
+    if d % 32 != 0 || d > 128 {
+        bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
+    }
+    let f = gpu.func("kda", &[], "kda_chunk_scan")?;
+    let smem = ((d * d + 3 * 64 * d + 64 * 64 + d) * 4) as u32;
+    let mut a = KArgs::new().arg(ws).arg(s).arg(out).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(nch as i32);
+    gpu.launch(f, (h as u32, 1, 1), (256, 1, 1), smem, &mut a, "kda_chunk_scan")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn kda_recurrent(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, s: P, out: P, t: usize, h: usize, d: usize) -> Result<()> {
+    if d > 1024 {
+        bail!("recurrent KDA kernel needs head_dim <= 1024, got {d}");
+    }
+    let f = gpu.func("kda", &[], "kda_recurrent")?;
+    let smem = ((d * d + 3 * d) * 4) as u32;
+    let mut a = KArgs::new().arg(q).arg(k).arg(v).arg(g).arg(beta).arg(s).arg(out).arg(t as i32).arg(h as i32).arg(d as i32);
+    gpu.launch(f, (h as u32, 1, 1), (d as u32, 1, 1), smem, &mut a, "kda_recurrent")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, h: usize, d: usize, eps: f32, bf16_out: bool) -> Result<()> {
+    let f = gpu.func("kda", &[], "kda_gated_norm")?;
+    let mut a = KArgs::new()
+        .arg(o)
+        .arg(r)
+        .arg(rs as i64)
+        .arg(w)
+        .arg(out)
+        .arg(t as i32)
+        .arg(h as i32)
+        .arg(d as i32)
+        .arg(eps)
+        .arg(bf16_out as i32);
+    gpu.launch(f, grid1(gpu, t * h * 32), (256, 1, 1), 0, &mut a, "kda_gated_norm")
+}
+
+// ---- MLA ---------------------------------------------------------------------------------
+
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attn_f32(
+    gpu: &Gpu,
+    q: P,
+    qs: usize,
+    kv: P,
+    kvs: usize,
+    kpe: P,
+    kps: usize,
+    out: P,
+    os: usize,
+    tq: usize,
+    pos0: usize,
+    h: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+    scale: f32,
+) -> Result<()> {
+    let f = gpu.func("mla_attn", &[], "mla_attn_f32")?;
+    let nt = 128usize;
+    let smem = ((dn + dr + dv + nt) * 4) as u32;
+    let mut a = KArgs::new()
+        .arg(q)
+        .arg(qs as i64)
+        .arg(kv)
+        .arg(kvs as i64)
+        .arg(kpe)
+        .arg(kps as i64)
+        .arg(out)
+        .arg(os as i64)
+        .arg(pos0 as i32)
+        .arg(h as i32)
+        .arg(dn as i32)
+        .arg(dr as i32)
+        .arg(dv as i32)
+        .arg(scale);
+    gpu.launch(f, (tq as u32, h as u32, 1), (nt as u32, 1, 1), smem, &mut a, "mla_attn_f32")
+}
+
+fn mla_defines(dqk: usize, dv: usize) -> Vec<String> {
+    vec![format!("MLA_DQK={dqk}"), format!("MLA_DV={dv}")]
+}
+
+/// Whether the bf16 tensor-core attention kernel supports these head widths.
+pub fn mla_bf16_supported(dqk: usize, dv: usize) -> bool {
+    dqk % 16 == 0 && dv % 16 == 0 && dqk <= 256 && dv <= 256
+}
+
+pub fn mla_pack_q(gpu: &Gpu, q: P, qs: usize, qb: P, tq: usize, h: usize, dqk: usize, dv: usize) -> Result<()> {
+    let f = gpu.func("mla_attn", &mla_defines(dqk, dv), "mla_pack_q")?;
+    let mut a = KArgs::new().arg(q).arg(qs as i64).arg(qb).arg(tq as i32).arg(h as i32).arg(dqk as i32);
+    gpu.launch(f, (tq as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_q")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn mla_pack_kv(gpu: &Gpu, kv: P, kvs: usize, kpe: P, kps: usize, kb: P, vb: P, tk: usize, h: usize, dn: usize, dr: usize, dv: usize) -> Result<()> {
+    let f = gpu.func("mla_attn", &mla_defines(dn + dr, dv), "mla_pack_kv")?;
+    let mut a = KArgs::new()
+        .arg(kv)
+        .arg(kvs as i64)
+        .arg(kpe)
+        .arg(kps as i64)
+        .arg(kb)
+        .arg(vb)
+        .arg(tk as i32)
+        .arg(h as i32)
+        .arg(dn as i32)
+        .arg(dr as i32)
+        .arg(dv as i32);
+    gpu.launch(f, (tk as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_kv")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usize, pos0: usize, h: usize, dqk: usize, dv: usize, scale: f32) -> Result<()> {
+    let f = gpu.func("mla_attn", &mla_defines(dqk, dv), "mla_attn_bf16")?;
+    let smem = (2 * 64 * ((dqk + 8) + (dv + 8)) * 2) as u32;
+    let mut a = KArgs::new().arg(qb).arg(kb).arg(vb).arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(scale);
+    gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_bf16")
+}
+
+// ---- MoE ---------------------------------------------------------------------------------
+
+pub fn moe_count(gpu: &Gpu, idx: P, n: usize, counts: P) -> Result<()> {
+    let f = gpu.func("moe_route", &[], "moe_count")?;
+    gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(idx).arg(n as i32).arg(counts), "moe_count")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn moe_offsets(gpu: &Gpu, counts: P, e: usize, bm: usize, offsets: P, cursor: P, tile_expert: P, tile_row0: P, tile_count: P) -> Result<()> {
+    let f = gpu.func("moe_route", &[], "moe_offsets")?;
+    let mut a = KArgs::new().arg(counts).arg(e as i32).arg(bm as i32).arg(offsets).arg(cursor).arg(tile_expert).arg(tile_row0).arg(tile_count);
+    gpu.launch(f, (1, 1, 1), (32, 1, 1), 0, &mut a, "moe_offsets")
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn moe_scatter(gpu: &Gpu, idx: P, n: usize, k: usize, offsets: P, cursor: P, slot_pos: P, row_token: P) -> Result<()> {
+    let f = gpu.func("moe_route", &[], "moe_scatter")?;
+    let mut a = KArgs::new().arg(idx).arg(n as i32).arg(k as i32).arg(offsets).arg(cursor).arg(slot_pos).arg(row_token);
+    gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut a, "moe_scatter")
+}
+
+pub fn moe_gather(gpu: &Gpu, bf16: bool, x: P, row_token: P, rows: usize, k: usize, xg: P) -> Result<()> {
+    let name = if bf16 { "moe_gather_bf16" } else { "moe_gather_f32" };
+    let f = gpu.func("moe_route", &[], name)?;
+    let mut a = KArgs::new().arg(x).arg(row_token).arg(rows as i32).arg(k as i32).arg(xg);
+    gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, name)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine(gpu: &Gpu, yg: P, slot_pos: P, w: P, t: usize, k: usize, n: usize, out: P) -> Result<()> {
+    let f = gpu.func("moe_route", &[], "moe_combine")?;
+    let mut a = KArgs::new().arg(yg).arg(slot_pos).arg(w).arg(t as i32).arg(k as i32).arg(n as i32).arg(out);
+    gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "moe_combine")
+}
+
+/// Where one matrix of an expert sits inside an expert's arena slot.
+#[derive(Debug, Clone, Copy)]
+pub struct MatOff {
+    pub packed: usize,
+    pub scale: usize,
+}
+
+/// Row-tile height of the grouped expert GEMMs (f32 / bf16 kernels).
+pub const F32_BM: usize = 32;
+pub const BF16_BM: usize = 128;
+
+/// Grouped expert GEMM launch: rows grouped by expert through the tile table (`max_tiles` upper
+/// bound on its length), experts `e_lo..e_hi` at `wbase + (e - e_lo) * estride`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gemm(
+    gpu: &Gpu,
+    stream: Option<CUstream>,
+    bf16: bool,
+    fused: bool,
+    x: P,
+    tile_expert: P,
+    tile_row0: P,
+    tile_count: P,
+    offsets: P,
+    max_tiles: usize,
+    wbase: P,
+    estride: usize,
+    m1: MatOff,
+    m2: MatOff,
+    e_lo: usize,
+    e_hi: usize,
+    n: usize,
+    k: usize,
+    out: P,
+    b1: f32,
+    b2: f32,
+) -> Result<()> {
+    if k % 32 != 0 {
+        bail!("expert GEMM: inner width {k} is not a multiple of 32 (MXFP4 group)");
+    }
+    if max_tiles > 65535 {
+        bail!("expert GEMM: {max_tiles} row tiles exceed the grid limit; split the batch");
+    }
+    let stream = stream.unwrap_or(gpu.stream());
+    if !bf16 {
+        let f = gpu.func("moe_gemm", &[], "expert_gemm_f32")?;
+        let mut a = KArgs::new()
+            .arg(x)
+            .arg(tile_expert)
+            .arg(tile_row0)
+            .arg(tile_count)
+            .arg(offsets)
+            .arg(wbase)
+            .arg(estride as i64)
+            .arg(m1.packed as i64)
+            .arg(m1.scale as i64)
+            .arg(m2.packed as i64)
+            .arg(m2.scale as i64)
+            .arg(fused as i32)
+            .arg(e_lo as i32)
+            .arg(e_hi as i32)
+            .arg(n as i32)
+            .arg(k as i32)
+            .arg(out)
+            .arg(b1)
+            .arg(b2);
+        return gpu.launch_on(stream, f, (blocks(n, 32)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_gemm_f32");
+    }
+    if fused {
+        let f = gpu.func("moe_gemm", &[], "expert_gateup_bf16")?;
+        let mut a = KArgs::new()
+            .arg(x)
+            .arg(tile_expert)
+            .arg(tile_row0)
+            .arg(tile_count)
+            .arg(offsets)
+            .arg(wbase)
+            .arg(estride as i64)
+            .arg(m1.packed as i64)
+            .arg(m1.scale as i64)
+            .arg(m2.packed as i64)
+            .arg(m2.scale as i64)
+            .arg(e_lo as i32)
+            .arg(e_hi as i32)
+            .arg(n as i32)
+            .arg(k as i32)
+            .arg(out)
+            .arg(b1)
+            .arg(b2);
+        gpu.launch_on(stream, f, (blocks(n, 64)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_gateup_bf16")
+    } else {
+        let f = gpu.func("moe_gemm", &[], "expert_down_bf16")?;
+        let mut a = KArgs::new()
+            .arg(x)
+            .arg(tile_expert)
+            .arg(tile_row0)
+            .arg(tile_count)
+            .arg(offsets)
+            .arg(wbase)
+            .arg(estride as i64)
+            .arg(m1.packed as i64)
+            .arg(m1.scale as i64)
+            .arg(e_lo as i32)
+            .arg(e_hi as i32)
+            .arg(n as i32)
+            .arg(k as i32)
+            .arg(out);
+        gpu.launch_on(stream, f, (blocks(n, 128)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_down_bf16")
+    }
+}

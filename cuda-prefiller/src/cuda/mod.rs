@@ -1,0 +1,45 @@
+//! The CUDA backend: a cudarc driver context, NVRTC-compiled kernels from `kernels/*.cu` (cached
+//! on disk per GPU architecture), cuBLAS for the dense BF16/F32 GEMMs, and [`CudaBackend`], the
+//! [`crate::backend::Backend`] implementation.
+//!
+//! Nothing here needs a CUDA toolkit to build: cudarc loads `libcuda`, `libnvrtc` and `libcublas`
+//! at run time. [`probe`] checks that they exist before anything touches them (cudarc panics on a
+//! missing library), so a machine without a GPU gets a clear error instead.
+
+pub mod backend;
+pub mod blas;
+pub mod gpu;
+pub mod kernels;
+pub mod nvrtc;
+
+pub use backend::{CudaBackend, Precision};
+pub use gpu::{DevMem, Gpu, PinnedBuf};
+
+/// Why no CUDA device can be used, or the device's name and compute capability.
+pub fn probe() -> Result<String, String> {
+    // SAFETY: these only try to dlopen the libraries.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            return Err("the NVIDIA driver library (libcuda.so) was not found: no NVIDIA GPU driver on this machine".into());
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return Err("NVRTC (libnvrtc.so) was not found: install the CUDA runtime compiler library".into());
+        }
+        if !cudarc::cublas::sys::is_culib_present() {
+            return Err("cuBLAS (libcublas.so) was not found: install the CUDA cuBLAS library".into());
+        }
+    }
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| format!("CUDA driver present but unusable: {e}"))?;
+    if n < 1 {
+        return Err("the CUDA driver reports no GPU".into());
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| format!("cannot open GPU 0: {e}"))?;
+    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    let (ma, mi) = ctx.compute_capability().map_err(|e| format!("cannot read the compute capability: {e}"))?;
+    Ok(format!("{name} (sm_{ma}{mi})"))
+}
+
+/// True when [`probe`] succeeds.
+pub fn available() -> bool {
+    probe().is_ok()
+}
