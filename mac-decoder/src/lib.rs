@@ -1,4 +1,13 @@
 //! k3-decode: the decoder node's library.
 
 pub mod cli;
+pub mod sampler;
+#[cfg(feature = "mlx")]
+pub mod decode;
+#[cfg(feature = "mlx")]
+pub mod ingest;
+#[cfg(feature = "mlx")]
+pub mod mlx;
+#[cfg(feature = "mlx")]
+pub mod model;
 pub mod vision;

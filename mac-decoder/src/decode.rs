@@ -1,0 +1,379 @@
+//! The decoder engine: load a checkpoint into MLX, hold per-sequence [`Session`]s, prefill
+//! locally (chunked) or ingest a hand-off state, step token by token, and run the decode loop.
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use mac_decoder::decode::{Engine, GenerateParams};
+//! let engine = Engine::load(std::path::Path::new("tests/golden/tiny-a"))?;
+//! let mut s = engine.new_session()?;
+//! engine.prefill_local(&mut s, &[1, 2, 3], None)?;
+//! let out = engine.generate(&mut s, &GenerateParams::greedy(8), |tok| { println!("{tok}"); true })?;
+//! println!("{:?} at {:.1} tok/s", out.tokens, out.tokens_per_second());
+//! # Ok(()) }
+//! ```
+//!
+//! An `Engine` and its `Session`s hold MLX arrays: use them from one thread (the server runs
+//! the engine on a dedicated thread and talks to it over channels).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use k3_protocol::config::{K3Config, TextConfig};
+use k3_protocol::handoff::HandoffState;
+use k3_protocol::{Checkpoint, Fingerprint};
+use mlx_rs::{ops, Array};
+
+use crate::ingest::{self, IngestedSession};
+use crate::mlx::{array_f32, array_i32, to_vec_f32};
+use crate::model::weights::WeightLoader;
+use crate::model::{K3Text, KdaMode, ModelCache};
+use crate::sampler::{Sampler, SamplingParams};
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Tokens per local-prefill chunk (each chunk runs through all layers, caches carried).
+    pub prefill_chunk: usize,
+    /// Show a progress bar while loading weights.
+    pub progress: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { prefill_chunk: 256, progress: false }
+    }
+}
+
+/// Image features for a multimodal local prefill: `[rows, hidden]` f32, one row per
+/// `<|media_pad|>` token of the prompt, in prompt order (spec §5.5).
+#[derive(Debug, Clone)]
+pub struct ImageEmbeds {
+    pub rows: usize,
+    pub data: Vec<f32>,
+}
+
+/// The state of one sequence.
+pub struct Session {
+    cache: ModelCache,
+    last_logits: Option<Vec<f32>>,
+}
+
+impl Session {
+    /// Tokens consumed so far.
+    pub fn tokens(&self) -> usize {
+        self.cache.tokens
+    }
+    /// Logits predicting the next token (after a prefill, an ingest with logits, or a step).
+    pub fn last_logits(&self) -> Option<&[f32]> {
+        self.last_logits.as_deref()
+    }
+    pub fn cache(&self) -> &ModelCache {
+        &self.cache
+    }
+    /// Bytes of KDA state, conv windows and MLA latents.
+    pub fn state_bytes(&self) -> usize {
+        self.cache.nbytes()
+    }
+}
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends after emitting one of these (it is emitted and fed).
+    pub stop_tokens: Vec<u32>,
+}
+
+impl GenerateParams {
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        GenerateParams { max_new_tokens, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_new_tokens` reached.
+    Length,
+    /// A stop token was emitted.
+    Stop,
+    /// `on_token` returned false.
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOutput {
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    /// Time spent in decode steps (sampling included).
+    pub decode_time: Duration,
+}
+
+impl GenerateOutput {
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens.len() as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// A loaded K3 model.
+pub struct Engine {
+    config: K3Config,
+    model: K3Text,
+    fingerprint: Fingerprint,
+    options: EngineOptions,
+}
+
+impl Engine {
+    /// Opens a checkpoint directory (release layout) and loads the text tower.
+    pub fn load(dir: &Path) -> Result<Self> {
+        Self::load_with(dir, EngineOptions::default())
+    }
+
+    pub fn load_with(dir: &Path, options: EngineOptions) -> Result<Self> {
+        if options.prefill_chunk == 0 {
+            bail!("prefill_chunk must be > 0");
+        }
+        let t0 = Instant::now();
+        let ck = Checkpoint::open(dir).with_context(|| format!("opening checkpoint {}", dir.display()))?;
+        let config = ck.config().clone();
+        let fingerprint = ck.fingerprint();
+        let mut wl = WeightLoader::new(&ck);
+        let n_layers = config.text_config.num_hidden_layers;
+        let bar = if options.progress {
+            let b = indicatif::ProgressBar::new(n_layers as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("loading {bar:30} {pos}/{len} layers {elapsed}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            b
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        let model = K3Text::load(&mut wl, &config.text_config, |done, _| bar.set_position(done as u64))?;
+        bar.finish_and_clear();
+        tracing::info!(
+            dir = %dir.display(),
+            fingerprint = %fingerprint.short(),
+            layers = n_layers,
+            weight_mb = model.weight_bytes() as f64 / 1e6,
+            seconds = t0.elapsed().as_secs_f64(),
+            "model loaded"
+        );
+        Ok(Engine { config, model, fingerprint, options })
+    }
+
+    pub fn config(&self) -> &K3Config {
+        &self.config
+    }
+    pub fn text_config(&self) -> &TextConfig {
+        &self.config.text_config
+    }
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+    /// Bytes of all weights held in MLX.
+    pub fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+    /// The `eos_token_id` (`<|end_of_msg|>` in K3).
+    pub fn eos_token(&self) -> u32 {
+        self.config.eos_token_id
+    }
+
+    pub fn new_session(&self) -> Result<Session> {
+        Ok(Session { cache: ModelCache::new(self.text_config())?, last_logits: None })
+    }
+
+    fn check_ids(&self, tokens: &[u32]) -> Result<Vec<i32>> {
+        let vocab = self.text_config().vocab_size;
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                if (t as usize) < vocab {
+                    Ok(t as i32)
+                } else {
+                    Err(anyhow!("token {t} at position {i} is outside the vocabulary (size {vocab})"))
+                }
+            })
+            .collect()
+    }
+
+    /// Input embeddings `[T, H]`; image rows replace the `<|media_pad|>` positions in order and
+    /// `pad_token_id` positions are zeroed (the reference multimodal merge, spec §8).
+    fn embeddings(&self, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<Array> {
+        let ids = self.check_ids(tokens)?;
+        let emb = self.model.embed(&array_i32(&ids, &[ids.len()], "input ids")?)?;
+        let pads: Vec<usize> =
+            (0..tokens.len()).filter(|&i| tokens[i] == self.config.media_placeholder_token_id).collect();
+        let Some(img) = image else {
+            if !pads.is_empty() {
+                bail!("the prompt holds {} media placeholder token(s) but no image embeddings were given", pads.len());
+            }
+            return Ok(emb);
+        };
+        let h = self.text_config().hidden_size;
+        if img.rows != pads.len() {
+            bail!("{} image embedding rows for {} media placeholder tokens", img.rows, pads.len());
+        }
+        if let Some(i) = img.data.iter().position(|x| !x.is_finite()) {
+            bail!("image embeddings hold a non-finite value at index {i}");
+        }
+        let img_arr = array_f32(&img.data, &[img.rows, h], "image embeddings")?;
+        let mut map = vec![0i32; tokens.len()];
+        let mut is_img = vec![false; tokens.len()];
+        for (k, &p) in pads.iter().enumerate() {
+            map[p] = k as i32;
+            is_img[p] = true;
+        }
+        let is_pad: Vec<bool> = tokens.iter().map(|&t| t == self.config.pad_token_id).collect();
+        let n = tokens.len() as i32;
+        let gathered = if img.rows > 0 { img_arr.take_axis(array_i32(&map, &[tokens.len()], "map")?, 0)? } else { emb.clone() };
+        let is_img = Array::from_slice(&is_img, &[n, 1]);
+        let is_pad = Array::from_slice(&is_pad, &[n, 1]);
+        let emb = ops::select(&is_img, &gathered, &emb)?;
+        Ok(ops::select(&is_pad, &Array::from_f32(0.0), &emb)?)
+    }
+
+    /// Runs `tokens` through the model in chunks; returns the logits of every position
+    /// (`all`) or of the last one, flattened row-major.
+    fn prefill(&self, s: &mut Session, tokens: &[u32], image: Option<&ImageEmbeds>, all: bool) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            bail!("prefill of an empty prompt");
+        }
+        let t0 = Instant::now();
+        let x = self.embeddings(tokens, image)?;
+        let mut out = Vec::new();
+        let n = tokens.len();
+        let mut c0 = 0;
+        while c0 < n {
+            let c1 = (c0 + self.options.prefill_chunk).min(n);
+            let xc = x.try_index_range(c0, c1)?;
+            let hidden = self.model.forward(&xc, &mut s.cache, KdaMode::Chunked)?;
+            let hidden = if all || c1 < n { hidden } else { hidden.try_index_range(c1 - c0 - 1, c1 - c0)? };
+            let logits = if all || c1 == n { Some(self.model.logits(&hidden)?) } else { None };
+            let mut to_eval = s.cache.arrays();
+            to_eval.extend(logits.as_ref());
+            mlx_rs::transforms::eval(to_eval)?;
+            if let Some(l) = logits {
+                if all || c1 == n {
+                    out.extend(to_vec_f32(&l)?);
+                }
+            }
+            c0 = c1;
+        }
+        let vocab = self.text_config().vocab_size;
+        s.last_logits = Some(out[out.len() - vocab..].to_vec());
+        let secs = t0.elapsed().as_secs_f64();
+        tracing::debug!(tokens = n, seconds = secs, tok_per_s = n as f64 / secs, "local prefill");
+        Ok(out)
+    }
+
+    /// Local prefill: feeds `tokens` (after whatever the session holds) and returns the logits
+    /// row of the last position (also kept in the session for [`Self::generate`]).
+    pub fn prefill_local(&self, s: &mut Session, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<Vec<f32>> {
+        self.prefill(s, tokens, image, false)
+    }
+
+    /// Like [`Self::prefill_local`] but returns the logits of every position, `[T, vocab]`
+    /// row-major (parity checks against a reference).
+    pub fn prefill_logits(&self, s: &mut Session, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<Vec<f32>> {
+        self.prefill(s, tokens, image, true)
+    }
+
+    /// Ingests a hand-off delta at `base` (see [`crate::ingest`]); `last_logits`, when the
+    /// prefill node sent them, are the logits of the last prefilled position.
+    pub fn ingest(&self, s: &mut Session, base: usize, delta: &HandoffState, last_logits: Option<Vec<f32>>) -> Result<()> {
+        if let Some(l) = &last_logits {
+            if l.len() != self.text_config().vocab_size {
+                bail!("last logits hold {} values, the vocabulary has {}", l.len(), self.text_config().vocab_size);
+            }
+        }
+        ingest::ingest_delta(self.text_config(), &mut s.cache, base, delta)?;
+        s.last_logits = last_logits;
+        Ok(())
+    }
+
+    /// Loads a session file (state, and the last logits row when it carries `logits`) into a
+    /// fresh session.
+    pub fn ingest_session_file(&self, s: &mut Session, path: &Path) -> Result<IngestedSession> {
+        if s.tokens() != 0 {
+            bail!("a session file loads into a fresh session (this one holds {} tokens)", s.tokens());
+        }
+        let info = ingest::ingest_session_file(self.text_config(), &self.fingerprint, &mut s.cache, path)?;
+        s.last_logits = info.last_logits.clone();
+        Ok(info)
+    }
+
+    /// The session's state in the canonical hand-off layout.
+    pub fn export_state(&self, s: &Session) -> Result<HandoffState> {
+        ingest::export_state(self.text_config(), &s.cache)
+    }
+
+    /// Feeds one token (recurrent KDA, absorbed MLA over the latent cache) and returns the
+    /// logits predicting the next one.
+    pub fn step(&self, s: &mut Session, token: u32) -> Result<Vec<f32>> {
+        let ids = self.check_ids(&[token])?;
+        let x = self.model.embed(&array_i32(&ids, &[1], "token")?)?;
+        let hidden = self.model.forward(&x, &mut s.cache, KdaMode::Recurrent)?;
+        let logits = self.model.logits(&hidden)?;
+        let mut to_eval = s.cache.arrays();
+        to_eval.push(&logits);
+        mlx_rs::transforms::eval(to_eval)?;
+        let v = to_vec_f32(&logits)?;
+        s.last_logits = Some(v.clone());
+        Ok(v)
+    }
+
+    /// The decode loop: samples from the session's last logits, reports each token to
+    /// `on_token` (return false to stop), feeds it, until `max_new_tokens` or a stop token.
+    /// Every emitted token is fed, so the session afterwards holds prompt + output.
+    pub fn generate(
+        &self,
+        s: &mut Session,
+        params: &GenerateParams,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<GenerateOutput> {
+        let mut sampler = Sampler::new(params.sampling.clone()).map_err(|e| anyhow!("sampling parameters: {e}"))?;
+        let mut logits = s
+            .last_logits
+            .clone()
+            .ok_or_else(|| anyhow!("the session has no logits to sample from: prefill or ingest (with logits) first"))?;
+        let t0 = Instant::now();
+        let mut tokens = Vec::with_capacity(params.max_new_tokens);
+        let mut finish = FinishReason::Length;
+        while tokens.len() < params.max_new_tokens {
+            let tok = sampler.sample(&logits).map_err(|e| anyhow!("sampling: {e}"))?;
+            tokens.push(tok);
+            let go_on = on_token(tok);
+            logits = self.step(s, tok)?;
+            if params.stop_tokens.contains(&tok) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if !go_on {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+        }
+        let out = GenerateOutput { tokens, finish, decode_time: t0.elapsed() };
+        tracing::debug!(tokens = out.tokens.len(), tok_per_s = out.tokens_per_second(), ?finish, "decode");
+        Ok(out)
+    }
+}
+
+/// Row slicing on the first axis.
+trait RowRange {
+    fn try_index_range(&self, a: usize, b: usize) -> Result<Array>;
+}
+
+impl RowRange for Array {
+    fn try_index_range(&self, a: usize, b: usize) -> Result<Array> {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        Ok(self.try_index(a as i32..b as i32)?)
+    }
+}

@@ -1,0 +1,104 @@
+//! Per-sequence decode state in MLX arrays, one small type per kind of layer (spec §4):
+//! KDA keeps a fixed-size recurrent state and the conv windows; MLA keeps the latent rows
+//! (`c_kv` post-norm then raw `k_pe`: 576 values per token in K3, never the expanded K/V).
+
+use anyhow::Result;
+use mlx_rs::{ops, Array};
+
+use k3_protocol::config::{AttnKind, TextConfig};
+
+/// KDA layer state.
+pub struct KdaCache {
+    /// `[heads, k, v]` f32, canonical hand-off layout (`o = Sᵀ q`).
+    pub state: Array,
+    /// The last `kernel-1` pre-conv projected inputs `[window, heads*head_dim]`, oldest first.
+    pub conv_q: Array,
+    pub conv_k: Array,
+    pub conv_v: Array,
+}
+
+impl KdaCache {
+    pub fn zeros(c: &TextConfig) -> Result<Self> {
+        let la = &c.linear_attn_config;
+        let (h, d) = (la.num_heads as i32, la.head_dim as i32);
+        let win = [c.conv_window() as i32, c.kda_width() as i32];
+        Ok(KdaCache {
+            state: ops::zeros::<f32>(&[h, d, d])?,
+            conv_q: ops::zeros::<f32>(&win)?,
+            conv_k: ops::zeros::<f32>(&win)?,
+            conv_v: ops::zeros::<f32>(&win)?,
+        })
+    }
+
+    fn arrays(&self) -> [&Array; 4] {
+        [&self.state, &self.conv_q, &self.conv_k, &self.conv_v]
+    }
+}
+
+/// MLA layer state: the latent rows of every token seen, `[rows, kv_lora_rank + qk_rope_head_dim]`.
+pub struct MlaCache {
+    pub latent: Option<Array>,
+    pub width: usize,
+}
+
+impl MlaCache {
+    pub fn rows(&self) -> usize {
+        self.latent.as_ref().map_or(0, |a| a.shape()[0] as usize)
+    }
+
+    /// Appends `rows` `[n, width]` and returns the whole cache.
+    pub fn append(&mut self, rows: &Array) -> Result<Array> {
+        let all = match &self.latent {
+            None => rows.clone(),
+            Some(prev) => ops::concatenate(&[prev, rows], 0)?,
+        };
+        self.latent = Some(all.clone());
+        Ok(all)
+    }
+}
+
+pub enum LayerCache {
+    Kda(KdaCache),
+    Mla(MlaCache),
+}
+
+/// The state of one sequence across all layers.
+pub struct ModelCache {
+    pub layers: Vec<LayerCache>,
+    /// Tokens consumed so far.
+    pub tokens: usize,
+}
+
+impl ModelCache {
+    pub fn new(c: &TextConfig) -> Result<Self> {
+        let layers = c
+            .layer_plan()
+            .iter()
+            .map(|s| {
+                Ok(match s.attn {
+                    AttnKind::Kda => LayerCache::Kda(KdaCache::zeros(c)?),
+                    AttnKind::Mla => LayerCache::Mla(MlaCache { latent: None, width: c.mla_latent_width() }),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(ModelCache { layers, tokens: 0 })
+    }
+
+    /// Every array of the cache (to evaluate them together with the logits, so that the lazy
+    /// graph never grows across steps).
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = Vec::new();
+        for l in &self.layers {
+            match l {
+                LayerCache::Kda(k) => v.extend(k.arrays()),
+                LayerCache::Mla(m) => v.extend(m.latent.as_ref()),
+            }
+        }
+        v
+    }
+
+    /// Bytes held by the cache.
+    pub fn nbytes(&self) -> usize {
+        self.arrays().iter().map(|a| a.nbytes()).sum()
+    }
+}
