@@ -264,6 +264,7 @@ pub fn build_config(preset: Preset, o: &Overrides) -> Result<K3Config, String> {
     let full = o.full_attn_layers.clone().unwrap_or_else(|| default_full_attn_layers(layers));
     let kda: Vec<usize> = (1..=layers).filter(|l| !full.contains(l)).collect();
     let hidden = pick(o.hidden, d.hidden);
+    let experts = pick(o.experts, d.experts);
     let vocab = pick(o.vocab, d.vocab);
     let specials = SpecialTokens::for_vocab(vocab)?;
     let vt_hidden = pick(o.vision_hidden, d.vt_hidden);
@@ -297,8 +298,9 @@ pub fn build_config(preset: Preset, o: &Overrides) -> Result<K3Config, String> {
             use_full_rank_gate: true,
             gate_lower_bound: Some(-5.0),
         },
-        num_experts: pick(o.experts, d.experts),
-        num_experts_per_token: pick(o.experts_per_token, d.per_token),
+        num_experts: experts,
+        // Fewer experts than the preset's top-k: top-k follows unless it is set explicitly.
+        num_experts_per_token: pick(o.experts_per_token, d.per_token.min(experts)),
         num_shared_experts: pick(o.shared_experts, d.shared),
         moe_intermediate_size: pick(o.moe_intermediate, d.moe_inter),
         routed_expert_hidden_size: pick(o.latent, d.latent),
