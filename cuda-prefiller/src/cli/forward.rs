@@ -1,9 +1,151 @@
-//! `k3-prefill forward`.
+//! `k3-prefill forward`: one prompt through the layer-major executor; writes the logits of every
+//! prompt position and the hand-off state under the golden tensor names (golden/README.md):
+//! `logits [T, vocab]`, `kda.{l}.recurrent|conv_q|conv_k|conv_v`, `mla.{l}.latent`, plus the
+//! `hidden.*` vectors of the last position with `--dump-hidden`.
 
-/// Arguments of `k3-prefill forward` (to be filled in by the owner of this command).
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use k3_protocol::handoff::{load_session, save_session, token_prefix_hash, HandoffState, SessionMeta};
+use k3_protocol::Checkpoint;
+
+use crate::backend::Backend;
+use crate::cpu::CpuBackend;
+use crate::executor::{self, ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
+use crate::model::{Model, WeightPolicy};
+
+/// Which ops backend runs the forward.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The f32 CPU reference.
+    Cpu,
+    /// The CUDA backend.
+    Cuda,
+    /// CUDA when available, else the CPU reference.
+    Auto,
+}
+
+/// Arguments of `k3-prefill forward`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint directory (release layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSON array of token ids.
+    #[arg(long)]
+    pub input_ids: PathBuf,
+    /// Output safetensors file: `logits` and the hand-off state (golden names, fp32).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Continue from a session file (a previous `--out`): the ids are the NEW tokens.
+    #[arg(long)]
+    pub state: Option<PathBuf>,
+    /// Also write the golden `hidden.*` vectors of the last position.
+    #[arg(long)]
+    pub dump_hidden: bool,
+    /// Tokens per chunk within a layer.
+    #[arg(long, default_value_t = 512)]
+    pub chunk_tokens: usize,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("k3-prefill forward is not implemented yet")
+/// Reads a JSON array of token ids; every entry must be an integer in u32 range.
+pub fn read_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read input ids {}", path.display()))?;
+    let vals: Vec<serde_json::Value> =
+        serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?;
+    vals.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .with_context(|| format!("{}: entry {i} ({v}) is not a token id", path.display()))
+        })
+        .collect()
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.backend {
+        BackendChoice::Cpu => run_with(Arc::new(CpuBackend), &args),
+        BackendChoice::Cuda => bail!(
+            "--backend cuda: the CUDA backend is not available in `forward` yet (not wired to the executor); use --backend cpu"
+        ),
+        BackendChoice::Auto => {
+            tracing::info!("--backend auto: using the CPU reference (the CUDA backend is not wired to `forward` yet)");
+            run_with(Arc::new(CpuBackend), &args)
+        }
+    }
+}
+
+fn hidden_tensors(t: &HiddenTrace, h: usize) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut out = vec![
+        ("hidden.embed".to_string(), vec![h], t.embed.clone()),
+        ("hidden.final_mix".to_string(), vec![h], t.final_mix.clone()),
+        ("hidden.final_normed".to_string(), vec![h], t.final_normed.clone()),
+    ];
+    for (name, rows) in [
+        ("hidden.attn_in", &t.attn_in),
+        ("hidden.attn_out", &t.attn_out),
+        ("hidden.mlp_in", &t.mlp_in),
+        ("hidden.mlp_out", &t.mlp_out),
+        ("hidden.after_layer", &t.after_layer),
+    ] {
+        out.push((name.to_string(), vec![rows.len(), h], rows.concat()));
+    }
+    out
+}
+
+/// The whole command over a chosen backend.
+pub fn run_with<B: Backend>(backend: Arc<B>, args: &Args) -> anyhow::Result<()> {
+    let ids = read_ids(&args.input_ids)?;
+    if ids.is_empty() {
+        bail!("{}: no token ids", args.input_ids.display());
+    }
+    let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
+    let fingerprint = ck.fingerprint();
+    let model = Model::new(backend, ck, WeightPolicy::PerLayer)?;
+    let mut state = match &args.state {
+        Some(p) => {
+            let sf = load_session(p, &model.cfg)?;
+            if let Some(fp) = sf.fingerprint {
+                if fp != fingerprint {
+                    bail!("session {} was made with model {}, not {}", p.display(), fp.short(), fingerprint.short());
+                }
+            }
+            sf.state
+        }
+        None => HandoffState::empty(&model.cfg),
+    };
+    let base = state.tokens;
+    let opts = ExecOptions {
+        chunk_tokens: args.chunk_tokens,
+        logits: LogitsRows::All,
+        trace_last: args.dump_hidden,
+        ..Default::default()
+    };
+    let bar = ProgressBar::new(model.plan.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{msg} [{bar:40}] layer {pos}/{len} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_message(format!("prefill {} tokens ({})", ids.len(), model.backend.name()));
+    let t0 = std::time::Instant::now();
+    let out = executor::prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |ev| {
+        bar.inc(1);
+        tracing::debug!(layer = ev.layer, "layer state ready");
+        Ok(())
+    })?;
+    bar.finish_and_clear();
+    tracing::info!(tokens = ids.len(), base, secs = t0.elapsed().as_secs_f64(), "forward done");
+
+    let mut extra: Vec<(String, Vec<usize>, Vec<f32>)> = vec![("logits".into(), vec![out.logits_rows, out.vocab], out.logits)];
+    if let Some(t) = &out.trace {
+        extra.extend(hidden_tensors(t, model.dims.hidden));
+    }
+    let extra_refs: Vec<(String, Vec<usize>, &[f32])> = extra.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect();
+    // The prefix hash covers only the tokens of this call when continuing (earlier ids are not known here).
+    let meta = SessionMeta { fingerprint, tokens: state.tokens, token_prefix_hash: token_prefix_hash(&ids) };
+    save_session(&args.out, &state, if base == 0 { Some(&meta) } else { None }, &extra_refs)?;
+    tracing::info!(out = %args.out.display(), "wrote logits and hand-off state");
+    Ok(())
 }

@@ -1,0 +1,117 @@
+//! `k3-prefill forward` end to end on tiny-a: the output file holds exactly the golden names,
+//! shapes and values (logits, hand-off state, hidden.* with --dump-hidden), continuation from
+//! a session file gives split.logits, and `--backend cuda` fails clearly for now.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+use safetensors::SafeTensors;
+
+fn k3_prefill() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_k3-prefill"))
+}
+
+fn write_ids(dir: &std::path::Path, name: &str, ids: &[u32]) -> std::path::PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, serde_json::to_string(ids).unwrap()).unwrap();
+    p
+}
+
+#[test]
+fn forward_writes_the_golden_tensors() {
+    let golden = tiny_a_golden();
+    let ids = golden.ids("input_ids");
+    let dir = tempfile::tempdir().unwrap();
+    let ids_path = write_ids(dir.path(), "ids.json", &ids);
+    let out = dir.path().join("out.safetensors");
+    let st = k3_prefill()
+        .args(["forward", "--model"])
+        .arg(tiny_a_dir())
+        .arg("--input-ids")
+        .arg(&ids_path)
+        .arg("--out")
+        .arg(&out)
+        .args(["--backend", "cpu", "--dump-hidden"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let ours = Golden::open(&out);
+    let bytes = std::fs::read(&out).unwrap();
+    let names: Vec<String> = SafeTensors::deserialize(&bytes).unwrap().names().into_iter().map(|n| n.to_string()).collect();
+    let gbytes = std::fs::read(k3_protocol::testdata::tiny_a_golden()).unwrap();
+    let gst = SafeTensors::deserialize(&gbytes).unwrap();
+    let mut expected: Vec<String> = gst
+        .names()
+        .into_iter()
+        .filter(|n| *n == "logits" || n.starts_with("kda.") || n.starts_with("mla.") || n.starts_with("hidden."))
+        .map(|n| n.to_string())
+        .collect();
+    let mut got = names.clone();
+    expected.sort();
+    got.sort();
+    assert_eq!(got, expected, "tensor names");
+    let vocab = 1024;
+    for name in &expected {
+        let (gs, gv) = golden.f32(name);
+        let (os, ov) = ours.f32(name);
+        assert_eq!(os, gs, "{name}: shape");
+        if name == "logits" {
+            check_logits("forward --out logits", &ov, &gv, vocab, &near_tie_rows(&golden, ids.len()));
+        } else {
+            let e = rel(&ov, &gv);
+            assert!(e <= TOL, "{name}: rel err {e:.3e}");
+        }
+    }
+}
+
+#[test]
+fn forward_continues_from_a_session_file() {
+    let golden = tiny_a_golden();
+    let ids = golden.ids("input_ids");
+    let p1 = golden.i64("split.p1")[0] as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first.safetensors");
+    let second = dir.path().join("second.safetensors");
+    let run = |ids_file: &std::path::Path, out: &std::path::Path, state: Option<&std::path::Path>| {
+        let mut c = k3_prefill();
+        c.args(["forward", "--backend", "cpu", "--model"]).arg(tiny_a_dir()).arg("--input-ids").arg(ids_file).arg("--out").arg(out);
+        if let Some(s) = state {
+            c.arg("--state").arg(s);
+        }
+        assert!(c.status().unwrap().success());
+    };
+    run(&write_ids(dir.path(), "a.json", &ids[..p1]), &first, None);
+    run(&write_ids(dir.path(), "b.json", &ids[p1..]), &second, Some(&first));
+    let (shape, logits) = Golden::open(&second).f32("logits");
+    assert_eq!(shape, vec![ids.len() - p1, 1024]);
+    let exempt: Vec<usize> = near_tie_rows(&golden, ids.len()).into_iter().filter(|&r| r >= p1).map(|r| r - p1).collect();
+    check_logits("forward --state split.logits", &logits, &golden.f32("split.logits").1, 1024, &exempt);
+    let (ms, _) = Golden::open(&second).f32("mla.3.latent");
+    assert_eq!(ms[0], ids.len(), "the continued state holds every token's latent row");
+}
+
+#[test]
+fn forward_rejects_cuda_and_bad_ids_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = write_ids(dir.path(), "ids.json", &[1, 2, 3]);
+    let out = dir.path().join("o.safetensors");
+    let o = k3_prefill()
+        .args(["forward", "--backend", "cuda", "--model"])
+        .arg(tiny_a_dir())
+        .arg("--input-ids")
+        .arg(&ids)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not available"), "{}", String::from_utf8_lossy(&o.stderr));
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "[1, -2, 3]").unwrap();
+    let o = k3_prefill().args(["forward", "--backend", "cpu", "--model"]).arg(tiny_a_dir()).arg("--input-ids").arg(&bad).arg("--out").arg(&out).output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("entry 1"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!out.exists());
+}
