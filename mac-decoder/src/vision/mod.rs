@@ -21,6 +21,10 @@ pub mod prompt;
 pub mod reference;
 pub mod resample;
 pub mod weights;
+#[cfg(feature = "mlx")]
+pub mod projector;
+#[cfg(feature = "mlx")]
+pub mod tower;
 
 use k3_protocol::{Checkpoint, CheckpointError, VisionConfig};
 
@@ -148,4 +152,68 @@ impl VisionEncoder for ReferenceEncoder {
 pub fn encode_image_bytes(model: &dyn VisionEncoder, bytes: &[u8]) -> Result<ImageFeatures, VisionError> {
     let img = preprocess_bytes(bytes, model.media_config())?;
     model.encode(&img)
+}
+
+/// The MLX tower and projector as a [`VisionEncoder`].
+#[cfg(feature = "mlx")]
+pub struct MlxVisionEncoder {
+    pub tower: tower::VisionTower,
+    pub projector: projector::Projector,
+    pub cfg: VisionConfig,
+    pub media: MediaProcConfig,
+    pub eps: NormEps,
+}
+
+#[cfg(feature = "mlx")]
+impl MlxVisionEncoder {
+    /// Moves the f32 weights into MLX.
+    pub fn new(weights: &VisionWeights, media: MediaProcConfig, eps: NormEps) -> Result<Self, VisionError> {
+        Ok(MlxVisionEncoder {
+            tower: tower::VisionTower::new(weights)?,
+            projector: projector::Projector::new(weights)?,
+            cfg: weights.cfg.clone(),
+            media,
+            eps,
+        })
+    }
+
+    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults).
+    pub fn load(ck: &Checkpoint, eps: NormEps) -> Result<Self, VisionError> {
+        let weights = VisionWeights::load(ck)?;
+        let media = MediaProcConfig::load(ck.dir(), &weights.cfg).map_err(|e| VisionError::Config(e.to_string()))?;
+        Self::new(&weights, media, eps)
+    }
+
+    /// The projector output `[rows, text_hidden]` as an MLX array (no copy back to the CPU).
+    pub fn encode_array(&self, img: &PreprocessedImage) -> Result<mlx_rs::Array, VisionError> {
+        let t = self.tower.forward(img, self.eps)?;
+        self.projector.forward(&t.merged)
+    }
+}
+
+#[cfg(feature = "mlx")]
+impl VisionEncoder for MlxVisionEncoder {
+    fn vision_config(&self) -> &VisionConfig {
+        &self.cfg
+    }
+    fn media_config(&self) -> &MediaProcConfig {
+        &self.media
+    }
+    fn encode_trace(&self, img: &PreprocessedImage) -> Result<VisionTrace, VisionError> {
+        let t = self.tower.forward(img, self.eps)?;
+        let out = self.projector.forward(&t.merged)?;
+        let v = |a: &mlx_rs::Array, what: &str| {
+            crate::mlx::to_vec_f32(a).map_err(|e| VisionError::Mlx(format!("reading {what}: {e:#}")))
+        };
+        let [_, gh, gw] = img.grid_thw;
+        let rows = gh * gw / (self.cfg.merge_kernel_size[0] * self.cfg.merge_kernel_size[1]);
+        Ok(VisionTrace {
+            n_patches: gh * gw,
+            rows,
+            embed: v(&t.embed, "vision.embed")?,
+            encoder: v(&t.encoder, "vision.encoder")?,
+            merged: v(&t.merged, "vision.merged")?,
+            output: v(&out, "vision.output")?,
+        })
+    }
 }

@@ -128,8 +128,7 @@ pub fn merge_patches(x: &[f32], h: usize, w: usize, d: usize, mh: usize, mw: usi
 }
 
 /// Checks that a pre-processed image fits the tower.
-pub fn check_input(w: &VisionWeights, img: &PreprocessedImage) -> Result<(), VisionError> {
-    let c = &w.cfg;
+pub fn check_input(c: &k3_protocol::VisionConfig, img: &PreprocessedImage) -> Result<(), VisionError> {
     let [t, h, gw] = img.grid_thw;
     let p = c.patch_size;
     let (mh, mw) = (c.merge_kernel_size[0], c.merge_kernel_size[1]);
@@ -152,7 +151,7 @@ pub fn check_input(w: &VisionWeights, img: &PreprocessedImage) -> Result<(), Vis
 
 /// The whole tower and projector for one image, keeping every stage.
 pub fn encode(w: &VisionWeights, img: &PreprocessedImage, eps: NormEps) -> Result<VisionTrace, VisionError> {
-    check_input(w, img)?;
+    check_input(&w.cfg, img)?;
     let c = &w.cfg;
     let [_, gh, gw] = img.grid_thw;
     let n = gh * gw;
