@@ -1,0 +1,162 @@
+//! The decoder's invariants on synthetic tiny variants (other widths, head counts, layer counts,
+//! expert counts, AttnRes blocks, prompt lengths), against the CPU reference prefiller of
+//! `cuda-prefiller`: prefill logits, the hand-off state, greedy tokens from a local prefill and
+//! from the reference's hand-off state (local = remote), and split prefill = one shot.
+#![cfg(feature = "mlx")]
+
+mod decoder_golden;
+
+use std::sync::Arc;
+
+use cuda_prefiller::executor::{self, ExecOptions, PrefillInput};
+use decoder_golden::{argmax, rel_l2, row_errors};
+use k3_protocol::handoff::{HandoffState, LayerState};
+use k3_protocol::synth::{write_model, Overrides, Preset, SynthOptions};
+use mac_decoder::decode::{Engine, GenerateParams};
+use rand::{Rng, SeedableRng};
+
+const TOL: f64 = 1e-3;
+
+struct Variant {
+    name: &'static str,
+    seed: u64,
+    prompt: usize,
+    overrides: Overrides,
+}
+
+fn check_variant(v: &Variant) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = SynthOptions::new(Preset::Tiny);
+    opts.seed = v.seed;
+    opts.overrides = v.overrides.clone();
+    opts.tokenizer = false;
+    let report = write_model(dir.path(), &opts).unwrap();
+    let cfg = report.config.clone();
+    let c = &cfg.text_config;
+    let vocab = c.vocab_size;
+    let special = [cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.media_placeholder_token_id];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(v.seed);
+    let ids: Vec<u32> = (0..v.prompt)
+        .map(|_| loop {
+            let t = rng.gen_range(0..vocab as u32);
+            if !special.contains(&t) {
+                break t;
+            }
+        })
+        .collect();
+
+    // reference: the CPU prefiller
+    let ck = Arc::new(k3_protocol::Checkpoint::open(&report.dir).unwrap());
+    let model = cuda_prefiller::model::Model::new(
+        Arc::new(cuda_prefiller::cpu::CpuBackend),
+        ck,
+        cuda_prefiller::model::WeightPolicy::Resident,
+    )
+    .unwrap();
+    let mut ref_state = HandoffState::empty(c);
+    let ref_out = executor::prefill(&model, &mut ref_state, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(())).unwrap();
+    // rows whose router margin is below ~1e-5 may legitimately differ: list them
+    let exempt: Vec<usize> =
+        (0..ids.len()).filter(|&r| ref_out.topk_gap.iter().any(|(_, g)| g[r] < 1e-5)).collect();
+
+    // MLX: local prefill
+    let engine = Engine::load(&report.dir).unwrap();
+    let mut s = engine.new_session().unwrap();
+    let logits = engine.prefill_logits(&mut s, &ids, None).unwrap();
+    let errs = row_errors(&logits, &ref_out.logits, vocab);
+    let worst = errs.iter().enumerate().filter(|(r, _)| !exempt.contains(r)).fold((0, 0f64), |a, (r, &e)| if e > a.1 { (r, e) } else { a });
+    eprintln!("{}: prefill logits worst row {} error {:.2e}, exempt rows {exempt:?}", v.name, worst.0, worst.1);
+    assert!(worst.1 <= TOL, "{}: prefill logits row {} error {:.2e}", v.name, worst.0, worst.1);
+
+    // the hand-off state
+    let ours = engine.export_state(&s).unwrap();
+    assert_eq!(ours.tokens, ref_state.tokens);
+    for (l, (a, b)) in ours.layers.iter().zip(&ref_state.layers).enumerate() {
+        let pairs: Vec<(&str, &[f32], &[f32])> = match (a, b) {
+            (LayerState::Kda(a), LayerState::Kda(b)) => vec![
+                ("recurrent", &a.recurrent, &b.recurrent),
+                ("conv_q", &a.conv_q, &b.conv_q),
+                ("conv_k", &a.conv_k, &b.conv_k),
+                ("conv_v", &a.conv_v, &b.conv_v),
+            ],
+            (LayerState::Mla(a), LayerState::Mla(b)) => vec![("latent", &a.latent, &b.latent)],
+            _ => panic!("{}: layer {l} kinds differ", v.name),
+        };
+        for (n, x, y) in pairs {
+            let e = rel_l2(x, y);
+            assert!(e <= TOL, "{}: layer {l} {n} error {e:.2e}", v.name);
+        }
+    }
+
+    // greedy decode: local MLX session vs the reference's decode steps
+    let steps = 12;
+    let first = argmax(&logits[(ids.len() - 1) * vocab..]);
+    let (ref_tokens, _) = executor::greedy(&model, &mut ref_state.clone(), first, steps).unwrap();
+    let local = engine.generate(&mut s, &GenerateParams::greedy(steps), |_| true).unwrap();
+    assert_eq!(local.tokens, ref_tokens, "{}: greedy tokens (local prefill) differ from the reference", v.name);
+    // local = remote: decode from the reference's hand-off state
+    let mut r = engine.new_session().unwrap();
+    engine.ingest(&mut r, 0, &ref_state, Some(ref_out.row(ids.len() - 1).to_vec())).unwrap();
+    let remote = engine.generate(&mut r, &GenerateParams::greedy(steps), |_| true).unwrap();
+    assert_eq!(remote.tokens, ref_tokens, "{}: greedy tokens from the hand-off state differ", v.name);
+
+    // split prefill = one shot
+    let p1 = ids.len() * 2 / 5;
+    let mut sp = engine.new_session().unwrap();
+    engine.prefill_local(&mut sp, &ids[..p1], None).unwrap();
+    let second = engine.prefill_logits(&mut sp, &ids[p1..], None).unwrap();
+    let errs = row_errors(&second, &logits[p1 * vocab..], vocab);
+    for (r, e) in errs.iter().enumerate() {
+        assert!(*e <= TOL || exempt.contains(&(r + p1)), "{}: split row {} error {e:.2e}", v.name, r + p1);
+    }
+}
+
+#[test]
+fn narrow_variant_with_three_heads_and_small_blocks() {
+    check_variant(&Variant {
+        name: "narrow",
+        seed: 21,
+        prompt: 97,
+        overrides: Overrides {
+            layers: Some(7),
+            full_attn_layers: Some(vec![3, 6, 7]),
+            hidden: Some(96),
+            heads: Some(3),
+            kda_head_dim: Some(16),
+            q_lora_rank: Some(48),
+            kv_lora_rank: Some(32),
+            qk_nope_head_dim: Some(16),
+            qk_rope_head_dim: Some(8),
+            v_head_dim: Some(16),
+            intermediate: Some(192),
+            experts: Some(8),
+            experts_per_token: Some(2),
+            moe_intermediate: Some(32),
+            latent: Some(64),
+            block_size: Some(2),
+            vocab: Some(512),
+            ..Default::default()
+        },
+    });
+}
+
+#[test]
+fn deeper_variant_with_more_experts_and_long_prompt() {
+    check_variant(&Variant {
+        name: "deeper",
+        seed: 33,
+        prompt: 203,
+        overrides: Overrides {
+            layers: Some(12),
+            heads: Some(4),
+            kda_head_dim: Some(16),
+            experts: Some(24),
+            experts_per_token: Some(6),
+            moe_intermediate: Some(96),
+            latent: Some(32),
+            block_size: Some(5),
+            conv_kernel: Some(3),
+            ..Default::default()
+        },
+    });
+}
