@@ -1,5 +1,6 @@
 //! k3-decode: the decoder node's library.
 
+pub mod chat;
 pub mod cli;
 pub mod sampler;
 #[cfg(feature = "mlx")]
@@ -10,4 +11,5 @@ pub mod ingest;
 pub mod mlx;
 #[cfg(feature = "mlx")]
 pub mod model;
+pub mod tokenizer;
 pub mod vision;

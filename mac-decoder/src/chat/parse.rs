@@ -1,0 +1,427 @@
+//! The streaming parser of K3's output (spec K3_CHAT §3), on token ids.
+//!
+//! After a thinking prompt the model writes
+//! `reasoning C think S O response S content C response S [O tools S calls… C tools S]
+//! C message S E`. Markers (`O`=`<|open|>`, `C`=`<|close|>`, `S`=`<|sep|>`, `E`=`<|end_of_msg|>`)
+//! are single special ids that content can never produce (content is encoded without special
+//! tokens), so parsing ids tells a real marker from a literal `<|close|>` in an argument,
+//! which text parsers cannot. Ordinary ids stream to the current channel with UTF-8 hold-back;
+//! marker headers (the text between `O`/`C` and `S`) are never forwarded.
+
+use std::sync::Arc;
+
+use super::json::Json;
+use crate::tokenizer::{names, Tokenizer, Utf8Stream};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `<|end_of_msg|>` (or `[EOS]`) with no tool call, or a client stop string.
+    Stop,
+    /// The message ended after at least one complete tool call.
+    ToolCalls,
+    /// `max_tokens` (or the context) ran out.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::ToolCalls => "tool_calls",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One parsed OpenAI tool call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// 0-based position among this message's calls.
+    pub index: usize,
+    pub id: String,
+    pub name: String,
+    /// A JSON object, as a string.
+    pub arguments: String,
+}
+
+/// What one token (or the end of the stream) produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputEvent {
+    Reasoning(String),
+    Content(String),
+    ToolCall(ToolCall),
+}
+
+/// Everything a finished generation said.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ParsedOutput {
+    pub reasoning: String,
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// The ids of the markup tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MarkerIds {
+    pub open: u32,
+    pub close: u32,
+    pub sep: u32,
+    pub end_of_msg: u32,
+    pub eos: Option<u32>,
+}
+
+impl MarkerIds {
+    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Self, String> {
+        let get = |n: &str| tok.special_id(n).ok_or_else(|| format!("the tokenizer has no {n} token"));
+        Ok(MarkerIds {
+            open: get(names::OPEN)?,
+            close: get(names::CLOSE)?,
+            sep: get(names::SEP)?,
+            end_of_msg: get(names::END_OF_MSG)?,
+            eos: tok.special_id(names::EOS),
+        })
+    }
+
+    /// Ids that end generation.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut v = vec![self.end_of_msg];
+        v.extend(self.eos);
+        v
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Think,
+    /// After `C think S`, before `O response S`.
+    ResponsePending,
+    Response,
+    AfterResponse,
+    Tools,
+    Call,
+    Argument,
+    JsonBlock,
+    AfterTools,
+    Done,
+}
+
+#[derive(Debug, Default)]
+struct PartialCall {
+    name: Option<String>,
+    args: Vec<(String, Json)>,
+    json_text: Option<String>,
+    /// The open argument: key, type, raw bytes.
+    arg: Option<(String, String, Vec<u8>)>,
+    json_buf: Vec<u8>,
+}
+
+/// Streaming parser of one generated assistant message.
+pub struct OutputParser {
+    tok: Arc<Tokenizer>,
+    ids: MarkerIds,
+    state: State,
+    /// A marker header being collected: (is_open, bytes).
+    header: Option<(bool, Vec<u8>)>,
+    reasoning: Utf8Stream,
+    content: Utf8Stream,
+    call: Option<PartialCall>,
+    call_id_prefix: String,
+    out: ParsedOutput,
+}
+
+impl OutputParser {
+    /// `thinking`: the prompt ended with `O think S` (else with `O response S`).
+    /// Tool call ids are `{call_id_prefix}_{index}`.
+    pub fn new(tok: Arc<Tokenizer>, thinking: bool, call_id_prefix: impl Into<String>) -> Result<Self, String> {
+        let ids = MarkerIds::from_tokenizer(&tok)?;
+        Ok(OutputParser {
+            tok,
+            ids,
+            state: if thinking { State::Think } else { State::Response },
+            header: None,
+            reasoning: Utf8Stream::new(),
+            content: Utf8Stream::new(),
+            call: None,
+            call_id_prefix: call_id_prefix.into(),
+            out: ParsedOutput::default(),
+        })
+    }
+
+    pub fn marker_ids(&self) -> MarkerIds {
+        self.ids
+    }
+
+    /// Whether generation has ended (a stop id arrived).
+    pub fn is_finished(&self) -> bool {
+        self.out.finish_reason.is_some()
+    }
+
+    /// The output so far (complete once finished).
+    pub fn output(&self) -> &ParsedOutput {
+        &self.out
+    }
+
+    pub fn into_output(self) -> ParsedOutput {
+        self.out
+    }
+
+    /// Feeds one generated id; returns what it produced. After a stop id, ids are ignored.
+    pub fn push(&mut self, id: u32) -> Vec<OutputEvent> {
+        let mut ev = Vec::new();
+        if self.is_finished() {
+            return ev;
+        }
+        if id == self.ids.end_of_msg || Some(id) == self.ids.eos {
+            self.end_header(&mut ev);
+            let reason = if self.out.tool_calls.is_empty() { FinishReason::Stop } else { FinishReason::ToolCalls };
+            self.finish_into(reason, &mut ev);
+            return ev;
+        }
+        if id == self.ids.open || id == self.ids.close {
+            // A marker while another header is open: the earlier one lacked its `S`.
+            self.end_header(&mut ev);
+            self.header = Some((id == self.ids.open, Vec::new()));
+            return ev;
+        }
+        if id == self.ids.sep {
+            if self.header.is_some() {
+                self.end_header(&mut ev);
+            } else {
+                tracing::debug!("stray <|sep|> in the output; dropped");
+            }
+            return ev;
+        }
+        let bytes = match self.tok.token_bytes(id) {
+            Some(b) => b.to_vec(),
+            None => {
+                tracing::warn!(id, "generated id outside the vocabulary; dropped");
+                return ev;
+            }
+        };
+        if let Some((_, h)) = &mut self.header {
+            h.extend_from_slice(&bytes);
+            return ev;
+        }
+        self.text(&bytes, &mut ev);
+        ev
+    }
+
+    /// Ends the stream without a stop id (`max_tokens` reached, or a client stop string):
+    /// flushes held-back bytes and keeps only complete tool calls.
+    pub fn finish(&mut self, reason: FinishReason) -> Vec<OutputEvent> {
+        let mut ev = Vec::new();
+        if self.is_finished() {
+            return ev;
+        }
+        self.header = None;
+        self.finish_into(reason, &mut ev);
+        ev
+    }
+
+    fn finish_into(&mut self, reason: FinishReason, ev: &mut Vec<OutputEvent>) {
+        self.flush_reasoning(ev);
+        self.flush_content(ev);
+        if self.call.take().is_some() {
+            tracing::warn!(state = ?self.state, "output ended inside a tool call; the incomplete call is dropped");
+        }
+        self.out.finish_reason = Some(reason);
+        self.state = State::Done;
+    }
+
+    fn flush_reasoning(&mut self, ev: &mut Vec<OutputEvent>) {
+        let s = self.reasoning.finish();
+        if !s.is_empty() {
+            self.out.reasoning.push_str(&s);
+            ev.push(OutputEvent::Reasoning(s));
+        }
+    }
+
+    fn flush_content(&mut self, ev: &mut Vec<OutputEvent>) {
+        let s = self.content.finish();
+        if !s.is_empty() {
+            self.out.content.push_str(&s);
+            ev.push(OutputEvent::Content(s));
+        }
+    }
+
+    fn text(&mut self, bytes: &[u8], ev: &mut Vec<OutputEvent>) {
+        match self.state {
+            State::Think => {
+                let s = self.reasoning.push(bytes);
+                if !s.is_empty() {
+                    self.out.reasoning.push_str(&s);
+                    ev.push(OutputEvent::Reasoning(s));
+                }
+            }
+            State::ResponsePending | State::Response => {
+                // Text right after the think close without `O response S`: it is the response.
+                self.state = State::Response;
+                let s = self.content.push(bytes);
+                if !s.is_empty() {
+                    self.out.content.push_str(&s);
+                    ev.push(OutputEvent::Content(s));
+                }
+            }
+            State::Argument => {
+                if let Some((_, _, buf)) = self.call.as_mut().and_then(|c| c.arg.as_mut()) {
+                    buf.extend_from_slice(bytes);
+                }
+            }
+            State::JsonBlock => {
+                if let Some(c) = self.call.as_mut() {
+                    c.json_buf.extend_from_slice(bytes);
+                }
+            }
+            State::AfterResponse | State::Tools | State::Call | State::AfterTools | State::Done => {
+                // Text outside elements: normally none; discarded.
+            }
+        }
+    }
+
+    /// Acts on a complete marker header (`S` arrived, or was implied).
+    fn end_header(&mut self, ev: &mut Vec<OutputEvent>) {
+        let Some((is_open, bytes)) = self.header.take() else { return };
+        let text = String::from_utf8_lossy(&bytes);
+        let text = text.trim();
+        let tag_end = text.find(char::is_whitespace).unwrap_or(text.len());
+        let (tag, attrs) = (&text[..tag_end], &text[tag_end..]);
+        match (is_open, tag) {
+            (false, "think") => {
+                self.flush_reasoning(ev);
+                if self.state == State::Think {
+                    self.state = State::ResponsePending;
+                }
+            }
+            (true, "response") => {
+                self.flush_reasoning(ev);
+                self.state = State::Response;
+            }
+            (false, "response") => {
+                self.flush_reasoning(ev);
+                self.flush_content(ev);
+                self.state = State::AfterResponse;
+            }
+            (true, "tools") => {
+                self.flush_reasoning(ev);
+                self.flush_content(ev);
+                self.state = State::Tools;
+            }
+            (false, "tools") => self.state = State::AfterTools,
+            (true, "call") => {
+                self.flush_reasoning(ev);
+                self.flush_content(ev);
+                let name = parse_attrs(attrs).into_iter().find(|(k, _)| k == "tool").map(|(_, v)| v);
+                self.call = Some(PartialCall { name, ..Default::default() });
+                self.state = State::Call;
+            }
+            (false, "call") => {
+                if let Some(call) = self.call.take() {
+                    self.complete_call(call, ev);
+                }
+                self.state = State::Tools;
+            }
+            (true, "argument") => {
+                let a = parse_attrs(attrs);
+                let key = a.iter().find(|(k, _)| k == "key").map(|(_, v)| v.clone());
+                let ty = a.iter().find(|(k, _)| k == "type").map(|(_, v)| v.clone()).unwrap_or_else(|| "string".into());
+                match (self.call.as_mut(), key) {
+                    (Some(c), Some(key)) => {
+                        c.arg = Some((key, ty, Vec::new()));
+                        self.state = State::Argument;
+                    }
+                    _ => tracing::warn!("argument element without a key or outside a call; ignored"),
+                }
+            }
+            (false, "argument") => {
+                if let Some(c) = self.call.as_mut() {
+                    if let Some((key, ty, raw)) = c.arg.take() {
+                        let raw = String::from_utf8_lossy(&raw).into_owned();
+                        let value = if ty == "string" { Json::Str(raw) } else { Json::parse(&raw).unwrap_or(Json::Str(raw)) };
+                        match c.args.iter_mut().find(|(k, _)| *k == key) {
+                            Some(slot) => slot.1 = value,
+                            None => c.args.push((key, value)),
+                        }
+                    }
+                }
+                if self.call.is_some() {
+                    self.state = State::Call;
+                }
+            }
+            (true, "json") => {
+                if let Some(c) = self.call.as_mut() {
+                    c.json_buf.clear();
+                    self.state = State::JsonBlock;
+                }
+            }
+            (false, "json") => {
+                if let Some(c) = self.call.as_mut() {
+                    c.json_text = Some(String::from_utf8_lossy(&c.json_buf).into_owned());
+                    self.state = State::Call;
+                }
+            }
+            (false, "message") => {
+                self.flush_reasoning(ev);
+                self.flush_content(ev);
+                self.state = State::Done;
+            }
+            _ => {
+                tracing::warn!(open = is_open, header = %text, "unknown marker in the output; dropped");
+            }
+        }
+    }
+
+    fn complete_call(&mut self, call: PartialCall, ev: &mut Vec<OutputEvent>) {
+        let Some(name) = call.name.filter(|n| !n.is_empty()) else {
+            tracing::warn!("tool call without a `tool` attribute; dropped");
+            return;
+        };
+        let arguments = match call.json_text {
+            Some(raw) => match Json::parse(&raw) {
+                Ok(v @ Json::Object(_)) => v.dumps_py(),
+                _ => raw,
+            },
+            None => Json::Object(call.args).dumps_py(),
+        };
+        let index = self.out.tool_calls.len();
+        let tc = ToolCall { index, id: format!("{}_{index}", self.call_id_prefix), name, arguments };
+        self.out.tool_calls.push(tc.clone());
+        ev.push(OutputEvent::ToolCall(tc));
+    }
+}
+
+/// `(\w+)="([^"]*)"` over a header's attribute text, values unescaped (`&quot;` then `&amp;`).
+fn parse_attrs(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        // Find `="`, then take the word characters before it.
+        let Some(eq) = s[i..].find("=\"").map(|p| p + i) else { break };
+        let key_start = s[..eq].char_indices().rev().take_while(|(_, c)| c.is_alphanumeric() || *c == '_').last().map(|(p, _)| p).unwrap_or(eq);
+        let val_start = eq + 2;
+        let Some(end) = s[val_start..].find('"').map(|p| p + val_start) else { break };
+        if key_start < eq {
+            let val = s[val_start..end].replace("&quot;", "\"").replace("&amp;", "&");
+            out.push((s[key_start..eq].to_string(), val));
+        }
+        i = end + 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_attrs;
+
+    #[test]
+    fn attrs_are_parsed_and_unescaped() {
+        assert_eq!(
+            parse_attrs(r#" tool="get_weather" index="1""#),
+            vec![("tool".into(), "get_weather".into()), ("index".into(), "1".into())]
+        );
+        assert_eq!(parse_attrs(r#" key="a &quot;b&quot; &amp;amp;" type="string""#)[0].1, "a \"b\" &amp;");
+        assert!(parse_attrs(" broken=\"x").is_empty());
+    }
+}
