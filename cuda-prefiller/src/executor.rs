@@ -376,7 +376,7 @@ pub fn prefill<B: Backend>(
             LogitsRows::Last => is_last,
             LogitsRows::None => false,
         };
-        if !want && !(is_last && trace.is_some()) {
+        if !want && (!is_last || trace.is_none()) {
             continue;
         }
         let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len());

@@ -38,6 +38,7 @@ struct HeadInputs {
     beta: Vec<f64>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn head_inputs(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: usize, d: usize, h: usize) -> HeadInputs {
     let w = heads * d;
     let rows = beta.len() / heads;
@@ -51,6 +52,7 @@ fn head_inputs(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: 
     HeadInputs { q: take(q), k: take(k), v: take(v), g: take(g), beta: (0..rows).map(|t| beta[t * heads + h] as f64).collect() }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32], heads: usize, d: usize) -> usize {
     let rows = beta.len() / heads.max(1);
     assert_eq!(beta.len(), rows * heads, "kda: beta is not [rows, heads]");
@@ -80,6 +82,7 @@ fn scatter(out: &mut [f32], state: &mut [f32], results: Vec<(Vec<f64>, Vec<f64>)
 /// The delta-rule recurrence token by token (spec §3.3 step 7), per head:
 /// `S' = diag(exp(g_t)) S`, `S = S' + β_t k_t ⊗ (v_t − S'ᵀ k_t)`, `o_t = Sᵀ q_t`.
 /// `state` is read as the initial state and overwritten with the final one. Returns `o`.
+#[allow(clippy::too_many_arguments)]
 pub fn kda_recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize) -> Vec<f32> {
     let rows = check(q, k, v, g, beta, state, heads, d);
     let init: &[f32] = state;
