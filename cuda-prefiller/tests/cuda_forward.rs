@@ -10,7 +10,7 @@ mod cuda_util;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cuda_prefiller::cuda::{CudaBackend, Precision};
+use cuda_prefiller::cuda::{Bf16Parts, CudaBackend, Precision};
 use cuda_prefiller::executor::{greedy, prefill, ExecOptions, PrefillInput};
 use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_util::*;
@@ -31,8 +31,45 @@ fn i64s(st: &SafeTensors, name: &str) -> Vec<i64> {
     t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
+/// Worst non-exempt logits row error, the exempt rows, and whether greedy decode matches.
+struct Outcome {
+    worst: f64,
+    failures: Vec<(usize, f64, f32)>,
+    greedy_same: bool,
+    layer_err: Vec<f64>,
+}
+
 fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
     let Some(be) = cuda(p) else { return };
+    if p == Precision::Bf16 {
+        // Where does BF16 rounding enter? One part at a time (diagnostic, printed).
+        for (name, parts) in [
+            ("round", Bf16Parts { round: true, ..Bf16Parts::NONE }),
+            ("gemm", Bf16Parts { gemm: true, ..Bf16Parts::NONE }),
+            ("experts", Bf16Parts { experts: true, ..Bf16Parts::NONE }),
+            ("attn", Bf16Parts { attn: true, ..Bf16Parts::NONE }),
+        ] {
+            let b = CudaBackend::with_parts(p, parts).expect("backend");
+            let o = forward(b, p, logit_tol, gap_exempt, state_tol, false);
+            eprintln!(
+                "BF16 part {name:8}: worst row {:.3e}, {} rows over {logit_tol:e}, greedy identical: {}, last-position P error by layer: {}",
+                o.worst,
+                o.failures.len(),
+                o.greedy_same,
+                o.layer_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ")
+            );
+        }
+    }
+    let o = forward(be, p, logit_tol, gap_exempt, state_tol, true);
+    eprintln!(
+        "{p:?}: last-position P error by layer: {}",
+        o.layer_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ")
+    );
+    assert!(o.failures.is_empty(), "{p:?}: logits rows over {logit_tol:e} (row, err, margin): {:?}", o.failures);
+    assert!(o.greedy_same, "{p:?}: greedy tokens differ from the golden decode");
+}
+
+fn forward(be: CudaBackend, p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64, check_state: bool) -> Outcome {
     let dir = golden_dir();
     let bytes = std::fs::read(dir.join("golden.safetensors")).expect("golden.safetensors");
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -40,7 +77,15 @@ fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
     let model = Model::new(Arc::new(be), ck, WeightPolicy::Resident).expect("model on the GPU");
     let ids: Vec<u32> = i64s(&st, "input_ids").iter().map(|&x| x as u32).collect();
     let mut state = HandoffState::empty(&model.cfg);
-    let out = prefill(&model, &mut state, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(())).expect("prefill");
+    let opts = ExecOptions { trace_last: true, ..ExecOptions::default() };
+    let out = prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(())).expect("prefill");
+    let gold_after = f32s(&st, "hidden.after_layer");
+    let h = model.dims.hidden;
+    let layer_err: Vec<f64> = out
+        .trace
+        .as_ref()
+        .map(|tr| tr.after_layer.iter().enumerate().map(|(l, v)| rel(v, &gold_after[l * h..(l + 1) * h])).collect())
+        .unwrap_or_default();
     let want = f32s(&st, "logits");
     let vocab = out.vocab;
     let t = ids.len();
@@ -63,13 +108,14 @@ fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
             failures.push((i, r, min_gap[i]));
         }
     }
-    eprintln!("{p:?}: worst logits row rel err {worst:.3e} over {} rows (bound {logit_tol:.0e})", t - exempt.len());
-    for (i, g, r) in &exempt {
-        eprintln!("{p:?}: row {i} exempt (router margin {g:.2e} < {gap_exempt:.0e}): rel err {r:.3e}");
+    if check_state {
+        eprintln!("{p:?}: worst logits row rel err {worst:.3e} over {} rows (bound {logit_tol:.0e})", t - exempt.len());
+        for (i, g, r) in &exempt {
+            eprintln!("{p:?}: row {i} exempt (router margin {g:.2e} < {gap_exempt:.0e}): rel err {r:.3e}");
+        }
     }
-    assert!(failures.is_empty(), "{p:?}: logits rows over {logit_tol:e}: {failures:?}");
     // hand-off state
-    for (l, ls) in state.layers.iter().enumerate() {
+    for (l, ls) in state.layers.iter().enumerate().filter(|_| check_state) {
         match ls {
             LayerState::Kda(k) => {
                 assert_rel(&format!("{p:?} kda.{l}.recurrent"), &k.recurrent, &f32s(&st, &format!("kda.{l}.recurrent")), state_tol);
@@ -84,8 +130,10 @@ fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
     let gold_tokens: Vec<u32> = i64s(&st, "decode.tokens").iter().map(|&x| x as u32).collect();
     let first = cuda_prefiller::executor::argmax(out.row(t - 1)).unwrap() as u32;
     let (tokens, _) = greedy(&model, &mut state, first, gold_tokens.len()).expect("greedy decode");
-    assert_eq!(tokens, gold_tokens, "{p:?}: greedy tokens differ from the golden decode");
-    eprintln!("{p:?}: greedy decode of {} tokens identical", tokens.len());
+    if check_state {
+        eprintln!("{p:?}: greedy decode {:?}\n{p:?}: golden decode {:?}", tokens, gold_tokens);
+    }
+    Outcome { worst, failures, greedy_same: tokens == gold_tokens, layer_err }
 }
 
 #[test]

@@ -1,9 +1,538 @@
-//! `k3-prefill bench`.
+//! `k3-prefill bench`: prefill throughput.
+//!
+//! Two modes:
+//! - `--model DIR`: the whole model through the layer-major executor on the chosen backend
+//!   (`--backend cpu|cuda|auto`), for each `--tokens` length: tokens/s and GFLOP/s.
+//! - `--project`: real K3 widths (7168 hidden, 896 MXFP4 experts) without a checkpoint. A few
+//!   layers (`--layers`, pattern KDA,KDA,KDA,MLA as in K3) with random weights held in host
+//!   RAM are streamed to the GPU by the [`WeightStreamer`] (pinned double-buffered staging, copy
+//!   stream) while the previous unit computes; each run is timed three ways — transfer alone,
+//!   compute alone, overlapped — and the per-layer times are extrapolated to K3's 69 KDA + 24
+//!   MLA layers. The roofline is `max(weight bytes / PCIe, FLOPs / peak)` per layer.
+//!   `--vram-budget GB` bounds the device memory of the weight slots: when two whole layers do
+//!   not fit, a layer's experts stream in chunks into two expert slots.
 
-/// Arguments of `k3-prefill bench` (to be filled in by the owner of this command).
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::Serialize;
+
+use super::forward::BackendChoice;
+use crate::backend::Backend;
+use crate::cpu::CpuBackend;
+use crate::cuda::gpu::Event;
+use crate::cuda::synth_layer::{self as sl, Attn, Dims, LayerLayout, LayerState, LayerWeights};
+use crate::cuda::{CudaBackend, Precision};
+use crate::executor::{self, ExecOptions, LogitsRows, PrefillInput};
+use crate::model::{Model, WeightPolicy};
+use crate::streamer::{HostRegions, WeightStreamer};
+
+/// Arguments of `k3-prefill bench`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint directory (model mode).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Prompt lengths.
+    #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
+    pub tokens: Vec<usize>,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// CUDA precision: bf16 (serving) or f32 (check mode).
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Projection mode: real K3 widths from host memory, extrapolated to all 93 layers.
+    #[arg(long)]
+    pub project: bool,
+    /// Projection: layers to run (pattern KDA,KDA,KDA,MLA,...).
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Projection: routed experts per layer (default: K3's 896).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Projection: device memory for weight slots, GB (default: two whole layers).
+    #[arg(long)]
+    pub vram_budget: Option<f64>,
+    /// Tokens per chunk within a layer.
+    #[arg(long, default_value_t = 16384)]
+    pub chunk_tokens: usize,
+    /// Reader threads of the streamer.
+    #[arg(long, default_value_t = 8)]
+    pub readers: usize,
+    /// Bytes per pinned staging buffer, MiB (two are allocated).
+    #[arg(long, default_value_t = 512)]
+    pub stage_mib: usize,
+    /// Host-to-device bandwidth of the roofline, GB/s.
+    #[arg(long, default_value_t = 55.0)]
+    pub pcie_gbs: f64,
+    /// Peak BF16 tensor rate of the roofline, TFLOP/s.
+    #[arg(long, default_value_t = 790.0)]
+    pub peak_tflops: f64,
+    /// Projection: skip the transfer-alone and compute-alone runs.
+    #[arg(long)]
+    pub overlapped_only: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("k3-prefill bench is not implemented yet")
+pub fn run(args: Args) -> Result<()> {
+    if args.project {
+        return project(&args);
+    }
+    let Some(dir) = args.model.clone() else { bail!("bench: give --model DIR, or --project for real-width layers without a checkpoint") };
+    let ck = Arc::new(k3_protocol::Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?);
+    match args.backend {
+        BackendChoice::Cpu => model_bench(Arc::new(CpuBackend), ck, &args),
+        BackendChoice::Cuda => model_bench(Arc::new(CudaBackend::new(args.precision.parse()?)?), ck, &args),
+        BackendChoice::Auto => match crate::cuda::probe() {
+            Ok(_) => model_bench(Arc::new(CudaBackend::new(args.precision.parse()?)?), ck, &args),
+            Err(why) => {
+                tracing::info!("--backend auto: no CUDA ({why}); using the CPU reference");
+                model_bench(Arc::new(CpuBackend), ck, &args)
+            }
+        },
+    }
+}
+
+#[derive(Serialize)]
+struct ModelRow {
+    backend: String,
+    tokens: usize,
+    seconds: f64,
+    tokens_per_s: f64,
+    gflop: f64,
+    gflop_per_s: f64,
+}
+
+fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
+    let model = Model::new(b.clone(), ck, WeightPolicy::Resident)?;
+    let cfg = model.cfg.clone();
+    let d = Dims::of(&cfg);
+    let mut rows = Vec::new();
+    for &t in &args.tokens {
+        let ids: Vec<u32> = (0..t).map(|i| ((i as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect();
+        let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
+        let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
+        let t0 = Instant::now();
+        executor::prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(()))?;
+        let s = t0.elapsed().as_secs_f64();
+        let mut flops = 0.0;
+        for spec in &model.plan {
+            let attn = if spec.attn == k3_protocol::config::AttnKind::Mla { Attn::Mla } else { Attn::Kda };
+            flops += sl::layer_flops(attn, &d, t, 0);
+        }
+        flops += 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
+        rows.push(ModelRow { backend: b.name().into(), tokens: t, seconds: s, tokens_per_s: t as f64 / s, gflop: flops / 1e9, gflop_per_s: flops / 1e9 / s });
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("{:>8} {:>8} {:>10} {:>12} {:>10} {:>10}", "backend", "tokens", "seconds", "tokens/s", "GFLOP", "GFLOP/s");
+        for r in &rows {
+            println!("{:>8} {:>8} {:>10.3} {:>12.1} {:>10.1} {:>10.1}", r.backend, r.tokens, r.seconds, r.tokens_per_s, r.gflop, r.gflop_per_s);
+        }
+    }
+    Ok(())
+}
+
+// ---- projection mode ----------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+enum Unit {
+    /// Dense tensors of layer `l` (and all its experts when `whole`).
+    Dense { l: usize, whole: bool },
+    /// Experts `lo..hi` of layer `l`.
+    Experts { l: usize, lo: usize, hi: usize },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Transfer,
+    Compute,
+    Overlap,
+}
+
+#[derive(Serialize, Default, Clone)]
+struct LayerTime {
+    layer: usize,
+    attn: String,
+    weight_gb: f64,
+    tflop: f64,
+    compute_ms: f64,
+    wait_ms: f64,
+    roofline_ms: f64,
+}
+
+#[derive(Serialize, Default)]
+struct ProjRow {
+    tokens: usize,
+    layers_run: usize,
+    experts: usize,
+    whole_layer_slots: bool,
+    expert_chunk: usize,
+    transfer_alone_s: f64,
+    compute_alone_s: f64,
+    overlapped_s: f64,
+    overlap_ratio: f64,
+    h2d_gbs: f64,
+    host_fill_gbs: f64,
+    compute_tflops: f64,
+    per_layer: Vec<LayerTime>,
+    roofline_s: f64,
+    roofline_fraction: f64,
+    k3_93_layers_s: f64,
+    k3_93_roofline_s: f64,
+    k3_tokens_per_s: f64,
+}
+
+struct Proj<'a> {
+    b: &'a CudaBackend,
+    d: Dims,
+    lay: [LayerLayout; 2],
+    regions: HostRegions,
+    attn: Vec<Attn>,
+    units: Vec<Unit>,
+    dense_slots: [crate::cuda::DevMem; 2],
+    expert_slots: Vec<crate::cuda::DevMem>,
+    whole: bool,
+    chunk: usize,
+}
+
+fn li(a: Attn) -> usize {
+    if a == Attn::Kda {
+        0
+    } else {
+        1
+    }
+}
+
+fn project(args: &Args) -> Result<()> {
+    let prec: Precision = args.precision.parse()?;
+    let b = CudaBackend::new(prec)?;
+    let mut cfg = k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
+        .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
+        .text_config;
+    if let Some(e) = args.experts {
+        cfg.num_experts = e;
+    }
+    let d = Dims::of(&cfg);
+    let lay = [LayerLayout::new(Attn::Kda, &d)?, LayerLayout::new(Attn::Mla, &d)?];
+    let attn: Vec<Attn> = (0..args.layers).map(|i| if i % 4 == 3 { Attn::Mla } else { Attn::Kda }).collect();
+    let t0 = Instant::now();
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let regions = HostRegions(vec![Arc::new(lay[0].dense_image()), Arc::new(lay[1].dense_image()), Arc::new(lay[0].experts_image(7, threads))]);
+    let host_gb = regions.0.iter().map(|r| r.len()).sum::<usize>() as f64 / 1e9;
+    eprintln!("host weight images: {host_gb:.1} GB in {:.1} s", t0.elapsed().as_secs_f64());
+    // slots
+    let max_total = lay.iter().map(|l| l.total_bytes()).max().unwrap_or(0);
+    let max_dense = lay.iter().map(|l| l.dense_bytes).max().unwrap_or(0);
+    let stride = lay[0].experts.stride;
+    let budget = args.vram_budget.map(|g| (g * 1e9) as usize).unwrap_or(2 * max_total);
+    let whole = 2 * max_total <= budget;
+    let chunk = if whole {
+        d.experts
+    } else {
+        ensure!(budget > 2 * max_dense + 2 * stride, "--vram-budget {:.1} GB is below two dense layers plus two experts", budget as f64 / 1e9);
+        ((budget - 2 * max_dense) / 2 / stride).min(d.experts)
+    };
+    let dense_slot = if whole { max_total } else { max_dense };
+    sl::ensure_room(&b, 2 * dense_slot + if whole { 0 } else { 2 * chunk * stride }, "weight slots")?;
+    let dense_slots = [b.gpu.alloc_sync(dense_slot)?, b.gpu.alloc_sync(dense_slot)?];
+    let expert_slots = if whole { Vec::new() } else { vec![b.gpu.alloc_sync(chunk * stride)?, b.gpu.alloc_sync(chunk * stride)?] };
+    let mut units = Vec::new();
+    for l in 0..args.layers {
+        units.push(Unit::Dense { l, whole });
+        if !whole {
+            let mut lo = 0;
+            while lo < d.experts {
+                let hi = (lo + chunk).min(d.experts);
+                units.push(Unit::Experts { l, lo, hi });
+                lo = hi;
+            }
+        }
+    }
+    eprintln!(
+        "weight slots: {} ({:.1} GB each){}; layer = {:.2} GB (dense {:.2} GB)",
+        if whole { "2 whole layers" } else { "2 dense + 2 expert chunks" },
+        dense_slot as f64 / 1e9,
+        if whole { String::new() } else { format!(", {chunk} experts per chunk ({:.1} GB)", (chunk * stride) as f64 / 1e9) },
+        max_total as f64 / 1e9,
+        max_dense as f64 / 1e9
+    );
+    let p = Proj { b: &b, d, lay, regions, attn, units, dense_slots, expert_slots, whole, chunk };
+    let mut streamer = WeightStreamer::new(b.gpu.clone(), args.stage_mib << 20, args.readers)?;
+    let mut rows = Vec::new();
+    for &t in &args.tokens {
+        let mut row = ProjRow { tokens: t, layers_run: args.layers, experts: p.d.experts, whole_layer_slots: p.whole, expert_chunk: p.chunk, ..Default::default() };
+        if !args.overlapped_only {
+            let (s, _, bytes, fill) = run_mode(&p, &mut streamer, t, args, Mode::Transfer)?;
+            row.transfer_alone_s = s;
+            row.h2d_gbs = bytes as f64 / 1e9 / s;
+            row.host_fill_gbs = bytes as f64 / 1e9 / fill.max(1e-9);
+            let (s, _, _, _) = run_mode(&p, &mut streamer, t, args, Mode::Compute)?;
+            row.compute_alone_s = s;
+        }
+        let (s, per_layer, bytes, _) = run_mode(&p, &mut streamer, t, args, Mode::Overlap)?;
+        row.overlapped_s = s;
+        if args.overlapped_only {
+            row.h2d_gbs = f64::NAN;
+        }
+        let total_flops: f64 = per_layer.iter().map(|l| l.tflop).sum::<f64>() * 1e12;
+        row.compute_tflops = if row.compute_alone_s > 0.0 { total_flops / row.compute_alone_s / 1e12 } else { f64::NAN };
+        row.overlap_ratio = s / row.transfer_alone_s.max(row.compute_alone_s);
+        row.roofline_s = per_layer.iter().map(|l| l.roofline_ms).sum::<f64>() / 1e3;
+        row.roofline_fraction = row.roofline_s / s;
+        // extrapolation to 93 layers: 69 KDA + 24 MLA, per-layer time = compute + wait of the
+        // steady-state layers (the first layer's pipeline fill is left out when possible)
+        let steady = |a: &str| -> (f64, f64) {
+            let v: Vec<&LayerTime> = per_layer.iter().filter(|l| l.attn == a).collect();
+            let v: Vec<&LayerTime> = if v.len() > 1 { v.into_iter().filter(|l| l.layer > 0).collect() } else { v };
+            let n = v.len().max(1) as f64;
+            (v.iter().map(|l| l.compute_ms + l.wait_ms).sum::<f64>() / n, v.iter().map(|l| l.roofline_ms).sum::<f64>() / n)
+        };
+        let (kt, kr) = steady("KDA");
+        let (mt, mr) = steady("MLA");
+        let (mt, mr) = if per_layer.iter().any(|l| l.attn == "MLA") { (mt, mr) } else { (f64::NAN, f64::NAN) };
+        row.k3_93_layers_s = (69.0 * kt + 24.0 * mt) / 1e3;
+        row.k3_93_roofline_s = (69.0 * kr + 24.0 * mr) / 1e3;
+        row.k3_tokens_per_s = t as f64 / row.k3_93_layers_s;
+        let _ = bytes;
+        row.per_layer = per_layer;
+        rows.push(row);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    for r in &rows {
+        println!("\n== {} tokens, {} layers, {} experts/layer ==", r.tokens, r.layers_run, r.experts);
+        println!("{:>5} {:>4} {:>8} {:>8} {:>10} {:>9} {:>11} {:>7}", "layer", "attn", "GB", "TFLOP", "compute ms", "wait ms", "roofline ms", "ratio");
+        for l in &r.per_layer {
+            println!(
+                "{:>5} {:>4} {:>8.2} {:>8.1} {:>10.1} {:>9.1} {:>11.1} {:>7.2}",
+                l.layer,
+                l.attn,
+                l.weight_gb,
+                l.tflop,
+                l.compute_ms,
+                l.wait_ms,
+                l.roofline_ms,
+                l.roofline_ms / (l.compute_ms + l.wait_ms)
+            );
+        }
+    }
+    println!("\n{:>8} {:>10} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}", "tokens", "xfer s", "compute s", "overlap s", "o/max", "H2D GB/s", "fill GB/s", "TFLOP/s", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s");
+    for r in &rows {
+        println!(
+            "{:>8} {:>10.3} {:>10.3} {:>10.3} {:>7.3} {:>8.1} {:>8.1} {:>8.1} {:>9.3} {:>8.1}% {:>9.1} {:>9.0}",
+            r.tokens,
+            r.transfer_alone_s,
+            r.compute_alone_s,
+            r.overlapped_s,
+            r.overlap_ratio,
+            r.h2d_gbs,
+            r.host_fill_gbs,
+            r.compute_tflops,
+            r.roofline_s,
+            100.0 * r.roofline_fraction,
+            r.k3_93_layers_s,
+            r.k3_tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+/// One run over all units; returns (wall seconds, per-layer times, bytes moved, host fill seconds).
+fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: Mode) -> Result<(f64, Vec<LayerTime>, usize, f64)> {
+    let b = p.b;
+    let g = &b.gpu;
+    let h = p.d.hidden;
+    let c = args.chunk_tokens.min(t).max(1);
+    let nchunks = t.div_ceil(c);
+    // activations: the running sum P and two bank entries per token chunk
+    let (mut pc, bank): (Vec<_>, Vec<Vec<_>>) = if mode == Mode::Transfer {
+        (Vec::new(), Vec::new())
+    } else {
+        let mut pc = Vec::new();
+        let mut bank = Vec::new();
+        for ci in 0..nchunks {
+            let rows = c.min(t - ci * c);
+            let mk = |seed: u64| -> Result<_> {
+                let v: Vec<f32> = (0..rows * h).map(|i| (((i as u64 ^ seed).wrapping_mul(2654435761) >> 8) % 2000) as f32 / 1000.0 - 1.0).collect();
+                b.upload(&v, rows, h)
+            };
+            pc.push(mk(ci as u64)?);
+            bank.push(vec![mk(1000 + ci as u64)?, mk(2000 + ci as u64)?]);
+        }
+        (pc, bank)
+    };
+    let mut states: Vec<Option<LayerState>> = (0..args.layers).map(|_| None).collect();
+    if mode != Mode::Transfer {
+        for (l, s) in states.iter_mut().enumerate() {
+            *s = Some(LayerState::new(b, p.attn[l], &p.d, t)?);
+        }
+    }
+    g.sync()?;
+    let wall0 = Instant::now();
+    let mut ready: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
+    let mut done: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
+    let mut ev_t: Vec<(usize, Event, Event, Event)> = Vec::new(); // (unit, before wait, after wait, done)
+    let mut bytes = 0usize;
+    let mut fill = 0.0;
+    // which slot each unit uses, and the previous unit on the same slot
+    let mut slot_of = Vec::new();
+    {
+        let (mut nd, mut ne) = (0usize, 0usize);
+        for u in &p.units {
+            match u {
+                Unit::Dense { .. } => {
+                    slot_of.push(nd % 2);
+                    nd += 1;
+                }
+                Unit::Experts { .. } => {
+                    slot_of.push(ne % 2);
+                    ne += 1;
+                }
+            }
+        }
+    }
+    // the dense slot of each layer (expert units need the layer's dense weights for moe_back)
+    let upload = |st: &mut WeightStreamer, i: usize, free: Option<&Event>| -> Result<(Event, crate::streamer::UploadStats)> {
+        match p.units[i] {
+            Unit::Dense { l, whole } => {
+                let lay = &p.lay[li(p.attn[l])];
+                let dst = p.dense_slots[slot_of[i]].ptr;
+                let mut parts = lay.dense_parts(li(p.attn[l]));
+                if whole {
+                    parts.extend(lay.expert_parts(2, 0, p.d.experts, lay.dense_bytes));
+                }
+                st.upload(&p.regions, &parts, dst, free)
+            }
+            Unit::Experts { l, lo, hi } => {
+                let lay = &p.lay[li(p.attn[l])];
+                st.upload(&p.regions, &lay.expert_parts(2, lo, hi, 0), p.expert_slots[slot_of[i]].ptr, free)
+            }
+        }
+    };
+    // per-layer carry between units: MoE plans when experts come in chunks
+    let mut plans: Vec<(crate::cuda::backend::MoePlan, crate::cuda::backend::CudaBuf)> = Vec::new();
+    let mut new_p: Vec<crate::cuda::backend::CudaBuf> = Vec::new();
+    let mut dense_slot_of_layer = vec![0usize; args.layers];
+    if mode != Mode::Compute {
+        let (e, s) = upload(st, 0, None)?;
+        bytes += s.bytes;
+        fill += s.fill_s;
+        ready[0] = Some(e);
+    }
+    for i in 0..p.units.len() {
+        if mode == Mode::Compute {
+            // compute alone: load the unit's weights first, untimed (only GPU compute intervals count)
+            g.sync()?;
+            let (e, _) = upload(st, i, None)?;
+            e.sync()?;
+        }
+        if mode != Mode::Transfer {
+            let e0 = g.event()?;
+            e0.record(g.stream())?;
+            if mode == Mode::Overlap {
+                ready[i].as_ref().expect("uploaded").wait_on(g.stream())?;
+            }
+            let e1 = g.event()?;
+            e1.record(g.stream())?;
+            match p.units[i] {
+                Unit::Dense { l, whole } => {
+                    dense_slot_of_layer[l] = slot_of[i];
+                    let lay = &p.lay[li(p.attn[l])];
+                    let base = p.dense_slots[slot_of[i]].ptr;
+                    let w = LayerWeights::view(b, lay, base);
+                    let stt = states[l].as_mut().expect("state");
+                    plans.clear();
+                    new_p.clear();
+                    for ci in 0..nchunks {
+                        let bank_refs: Vec<&crate::cuda::backend::CudaBuf> = bank[ci].iter().collect();
+                        let (p2, xn2) = sl::attention(b, &w, &p.d, &bank_refs, &pc[ci], stt, ci * c)?;
+                        let (plan, sh) = sl::moe_front(b, &w, &p.d, &xn2)?;
+                        drop(xn2);
+                        if whole {
+                            b.moe_run_chunk(&plan, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
+                            let mut p2 = p2;
+                            sl::moe_back(b, &w, &p.d, &plan, &sh, &mut p2)?;
+                            pc[ci] = p2;
+                        } else {
+                            plans.push((plan, sh));
+                            new_p.push(p2);
+                        }
+                    }
+                }
+                Unit::Experts { l, lo, hi } => {
+                    let lay = &p.lay[li(p.attn[l])];
+                    for (plan, _) in &plans {
+                        b.moe_run_chunk(plan, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
+                    }
+                    if hi == p.d.experts {
+                        let w = LayerWeights::view(b, lay, p.dense_slots[dense_slot_of_layer[l]].ptr);
+                        for (ci, (plan, sh)) in plans.iter().enumerate() {
+                            sl::moe_back(b, &w, &p.d, plan, sh, &mut new_p[ci])?;
+                        }
+                        for (ci, np) in new_p.drain(..).enumerate() {
+                            pc[ci] = np;
+                        }
+                        plans.clear();
+                    }
+                }
+            }
+            let e2 = g.event()?;
+            e2.record(g.stream())?;
+            ev_t.push((i, e0, e1, e2));
+            let d = g.event()?;
+            d.record(g.stream())?;
+            done[i] = Some(d);
+        }
+        if mode != Mode::Compute && i + 1 < p.units.len() {
+            // the slot of unit i+1 was last read by unit i-1 or earlier (two slots per ring,
+            // in-order compute stream)
+            let free = if mode == Mode::Overlap && i >= 1 { done[i - 1].as_ref() } else { None };
+            let (e, s) = upload(st, i + 1, free)?;
+            bytes += s.bytes;
+            fill += s.fill_s;
+            ready[i + 1] = Some(e);
+        }
+    }
+    g.sync()?;
+    g.sync_copy()?;
+    let mut wall = wall0.elapsed().as_secs_f64();
+    if mode == Mode::Compute {
+        wall = 0.0;
+        for (_, _, e1, e2) in &ev_t {
+            wall += e1.ms_to(e2)? as f64 / 1e3;
+        }
+    }
+    // per-layer accounting
+    let mut per: Vec<LayerTime> = (0..args.layers)
+        .map(|l| {
+            let lay = &p.lay[li(p.attn[l])];
+            let fl = sl::layer_flops(p.attn[l], &p.d, t, 0);
+            let gb = lay.total_bytes() as f64 / 1e9;
+            LayerTime {
+                layer: l,
+                attn: if p.attn[l] == Attn::Kda { "KDA".into() } else { "MLA".into() },
+                weight_gb: gb,
+                tflop: fl / 1e12,
+                roofline_ms: 1e3 * (gb / args.pcie_gbs).max(fl / 1e12 / args.peak_tflops),
+                ..Default::default()
+            }
+        })
+        .collect();
+    for (i, e0, e1, e2) in &ev_t {
+        let l = match p.units[*i] {
+            Unit::Dense { l, .. } | Unit::Experts { l, .. } => l,
+        };
+        per[l].wait_ms += e0.ms_to(e1)? as f64;
+        per[l].compute_ms += e1.ms_to(e2)? as f64;
+    }
+    eprintln!("{mode:?} run at {t} tokens: {wall:.3} s");
+    Ok((wall, per, bytes, fill))
 }

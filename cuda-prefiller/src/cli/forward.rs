@@ -50,6 +50,9 @@ pub struct Args {
     /// Tokens per chunk within a layer.
     #[arg(long, default_value_t = 512)]
     pub chunk_tokens: usize,
+    /// CUDA arithmetic: `f32` (check mode, matches the fp32 golden sets) or `bf16` (serving).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
 }
 
 /// Reads a JSON array of token ids; every entry must be an integer in u32 range.
@@ -70,12 +73,16 @@ pub fn read_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.backend {
         BackendChoice::Cpu => run_with(Arc::new(CpuBackend), &args),
-        BackendChoice::Cuda => bail!(
-            "--backend cuda: the CUDA backend is not available in `forward` yet (not wired to the executor); use --backend cpu"
-        ),
-        BackendChoice::Auto => {
-            tracing::info!("--backend auto: using the CPU reference (the CUDA backend is not wired to `forward` yet)");
-            run_with(Arc::new(CpuBackend), &args)
+        BackendChoice::Cuda => run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args),
+        BackendChoice::Auto => match crate::cuda::probe() {
+            Ok(gpu) => {
+                tracing::info!(%gpu, "--backend auto: using CUDA");
+                run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args)
+            }
+            Err(why) => {
+                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference");
+                run_with(Arc::new(CpuBackend), &args)
+            }
         }
     }
 }

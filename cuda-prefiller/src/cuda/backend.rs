@@ -180,23 +180,74 @@ pub struct MoePlan {
     pub weights: DevMem,
 }
 
+/// Which parts of the computation run in BF16 ([`Precision::Bf16`] turns all on; the
+/// environment variable `K3_BF16_PARTS=gemm,round,experts,attn` picks a subset, a diagnostic
+/// for locating where BF16 rounding enters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16Parts {
+    /// Dense GEMMs with BF16 weights and BF16 activations.
+    pub gemm: bool,
+    /// Rounding to BF16 where the reference casts (norm outputs, SiTU, AttnRes, KDA output).
+    pub round: bool,
+    /// Routed experts on the BF16 tensor-core kernel.
+    pub experts: bool,
+    /// MLA attention on the BF16 flash kernel.
+    pub attn: bool,
+}
+
+impl Bf16Parts {
+    pub const NONE: Bf16Parts = Bf16Parts { gemm: false, round: false, experts: false, attn: false };
+    pub const ALL: Bf16Parts = Bf16Parts { gemm: true, round: true, experts: true, attn: true };
+
+    /// Parses `gemm,round,experts,attn` (any subset; `all`, `none`).
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut p = Bf16Parts::NONE;
+        for part in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            match part {
+                "gemm" => p.gemm = true,
+                "round" => p.round = true,
+                "experts" => p.experts = true,
+                "attn" => p.attn = true,
+                "all" => p = Bf16Parts::ALL,
+                "none" => p = Bf16Parts::NONE,
+                _ => bail!("unknown BF16 part {part:?} (gemm, round, experts, attn, all, none)"),
+            }
+        }
+        Ok(p)
+    }
+}
+
 /// The CUDA implementation of the ops.
 pub struct CudaBackend {
     pub gpu: Arc<Gpu>,
     blas: Blas,
     pub precision: Precision,
+    pub parts: Bf16Parts,
 }
 
 impl CudaBackend {
     /// Opens GPU 0; errors (never panics) when no usable GPU, driver, NVRTC or cuBLAS exists.
     pub fn new(precision: Precision) -> Result<Self> {
-        let gpu = Gpu::open()?;
-        let blas = Blas::new(gpu.stream())?;
-        Ok(CudaBackend { gpu, blas, precision })
+        let parts = match precision {
+            Precision::F32 => Bf16Parts::NONE,
+            Precision::Bf16 => match std::env::var("K3_BF16_PARTS") {
+                Ok(s) => Bf16Parts::parse(&s)?,
+                Err(_) => Bf16Parts::ALL,
+            },
+        };
+        Self::with_parts(precision, parts)
     }
 
+    /// A backend with an explicit choice of BF16 parts.
+    pub fn with_parts(precision: Precision, parts: Bf16Parts) -> Result<Self> {
+        let gpu = Gpu::open()?;
+        let blas = Blas::new(gpu.stream())?;
+        Ok(CudaBackend { gpu, blas, precision, parts })
+    }
+
+    /// BF16 experts (mma kernel, bf16 grouped activations).
     fn bf16(&self) -> bool {
-        self.precision == Precision::Bf16
+        self.parts.experts
     }
 
     /// Uninitialised `[rows, cols]` f32 buffer.
@@ -381,7 +432,7 @@ impl Backend for CudaBackend {
         ensure!(w.bytes.len() == n * esize, "tensor {}: {} bytes, expected {} for [{}, {}]", w.name, w.bytes.len(), n * esize, w.rows, w.cols);
         // The router's logits are FP32 by the spec (§3.6): keep its weight f32 in every precision.
         let is_router = w.name.ends_with("block_sparse_moe.gate.weight");
-        let keep_bf16 = self.bf16() && w.dtype == DType::BF16 && w.rows > 1 && !is_router;
+        let keep_bf16 = self.parts.gemm && w.dtype == DType::BF16 && w.rows > 1 && !is_router;
         let raw = self.upload_bytes(&w.bytes)?;
         let (f32m, bf16m) = match (w.dtype, keep_bf16) {
             (DType::BF16, true) => (None, Some(raw)),
@@ -417,7 +468,7 @@ impl Backend for CudaBackend {
     fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32) -> OpResult<CudaBuf> {
         ensure!(w.rows * w.cols == x.cols, "rms_norm: weight {} has {} values for {} columns", w.name, w.rows * w.cols, x.cols);
         let y = self.empty(x.rows, x.cols)?;
-        k::rmsnorm_rows(&self.gpu, x.ptr(), x.cols, w.f32_ptr("rms_norm")?, y.ptr(), x.cols, x.rows, x.cols, eps, self.bf16())?;
+        k::rmsnorm_rows(&self.gpu, x.ptr(), x.cols, w.f32_ptr("rms_norm")?, y.ptr(), x.cols, x.rows, x.cols, eps, self.parts.round)?;
         Ok(y)
     }
 
@@ -425,7 +476,7 @@ impl Backend for CudaBackend {
         self.check_same("situ_glu", gate, up)?;
         let y = self.empty(gate.rows, gate.cols)?;
         let b2 = betas.linear_beta.unwrap_or(0.0);
-        k::situ_glu(&self.gpu, gate.ptr(), gate.cols, up.ptr(), up.cols, y.ptr(), y.cols, gate.rows, gate.cols, betas.beta, b2, self.bf16())?;
+        k::situ_glu(&self.gpu, gate.ptr(), gate.cols, up.ptr(), up.cols, y.ptr(), y.cols, gate.rows, gate.cols, betas.beta, b2, self.parts.round)?;
         Ok(y)
     }
 
@@ -447,7 +498,7 @@ impl Backend for CudaBackend {
         ensure!(norm_w.rows * norm_w.cols == p.cols && proj_w.rows * proj_w.cols == p.cols, "attn_res_mix: weights do not match width {}", p.cols);
         let out = self.empty(p.rows, p.cols)?;
         let ptrs: Vec<u64> = bank.iter().map(|b| b.ptr()).collect();
-        k::attnres_mix(&self.gpu, &ptrs, p.ptr(), norm_w.f32_ptr("attn_res")?, proj_w.f32_ptr("attn_res")?, out.ptr(), p.rows, p.cols, eps, self.bf16())?;
+        k::attnres_mix(&self.gpu, &ptrs, p.ptr(), norm_w.f32_ptr("attn_res")?, proj_w.f32_ptr("attn_res")?, out.ptr(), p.rows, p.cols, eps, self.parts.round)?;
         Ok(out)
     }
 
@@ -541,7 +592,7 @@ impl Backend for CudaBackend {
         self.check_same("gated_rms_norm", o, gate)?;
         ensure!(head_dim > 0 && o.cols % head_dim == 0 && w.rows * w.cols == head_dim, "gated_rms_norm: widths {} / {head_dim} / weight {}", o.cols, w.rows * w.cols);
         let y = self.empty(o.rows, o.cols)?;
-        k::kda_gated_norm(&self.gpu, o.ptr(), gate.ptr(), gate.cols, w.f32_ptr("gated_rms_norm")?, y.ptr(), o.rows, o.cols / head_dim, head_dim, eps, self.bf16())?;
+        k::kda_gated_norm(&self.gpu, o.ptr(), gate.ptr(), gate.cols, w.f32_ptr("gated_rms_norm")?, y.ptr(), o.rows, o.cols / head_dim, head_dim, eps, self.parts.round)?;
         Ok(y)
     }
 
@@ -566,7 +617,7 @@ impl Backend for CudaBackend {
         let kpe = cache.ptr() + (dims.kv_lora * 4) as u64;
         let out = self.empty(tq, h * dims.v)?;
         let (dqk, dv) = (dims.qk(), dims.v);
-        if self.bf16() && k::mla_bf16_supported(dqk, dv) {
+        if self.parts.attn && k::mla_bf16_supported(dqk, dv) {
             let qb = self.gpu.alloc(tq * h * dqk * 2)?;
             let kb = self.gpu.alloc(tk * h * dqk * 2)?;
             let vb = self.gpu.alloc(tk * h * dv * 2)?;

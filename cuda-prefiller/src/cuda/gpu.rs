@@ -151,13 +151,18 @@ impl Gpu {
         unsafe {
             ck(sys::cuModuleGetFunction(&mut f, module_entry._m, cname.as_ptr()), &format!("kernel {name} in kernels/{module}.cu"))?;
             if self.smem_optin > 48 * 1024 {
+                let mut stat = 0i32;
+                ck(
+                    sys::cuFuncGetAttribute(&mut stat, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f),
+                    "reading a kernel's static shared memory",
+                )?;
                 ck(
                     sys::cuFuncSetAttribute(
                         f,
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        self.smem_optin - 1024,
+                        self.smem_optin - stat,
                     ),
-                    "raising the dynamic shared memory limit",
+                    &format!("raising the dynamic shared memory limit of {name}"),
                 )?;
             }
         }
@@ -187,6 +192,7 @@ impl Gpu {
         if smem as i32 > self.smem_optin {
             bail!("{what}: needs {smem} bytes of shared memory, the device allows {}", self.smem_optin);
         }
+        self.bind()?;
         let mut ptrs = args.ptrs();
         // SAFETY: the argument list matches the kernel signature (each call site mirrors its .cu).
         unsafe {
@@ -206,7 +212,7 @@ impl Gpu {
                 ck(sys::cuMemAllocAsync(&mut p, bytes, self.streams.compute), &format!("allocating {bytes} bytes of device memory"))?
             };
         }
-        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: false })
+        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: false, borrowed: false })
     }
 
     /// Device memory from the synchronous allocator (long-lived arenas shared by both streams).
@@ -216,7 +222,7 @@ impl Gpu {
         if bytes > 0 {
             unsafe { ck(sys::cuMemAlloc_v2(&mut p, bytes), &format!("allocating {bytes} bytes of device memory"))? };
         }
-        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: true })
+        Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: true, borrowed: false })
     }
 
     pub fn memset0(&self, m: &DevMem) -> Result<()> {
@@ -318,11 +324,16 @@ pub struct DevMem {
     pub bytes: usize,
     gpu: Arc<Gpu>,
     sync_alloc: bool,
+    borrowed: bool,
 }
 unsafe impl Send for DevMem {}
 unsafe impl Sync for DevMem {}
 
 impl DevMem {
+    /// A view of memory owned elsewhere (never freed through this handle; the owner must outlive it).
+    pub fn borrowed(gpu: Arc<Gpu>, ptr: sys::CUdeviceptr, bytes: usize) -> DevMem {
+        DevMem { ptr, bytes, gpu, sync_alloc: false, borrowed: true }
+    }
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
@@ -334,7 +345,7 @@ impl DevMem {
 
 impl Drop for DevMem {
     fn drop(&mut self) {
-        if self.bytes == 0 {
+        if self.bytes == 0 || self.borrowed {
             return;
         }
         let _ = self.gpu.bind();

@@ -11,8 +11,9 @@ pub mod blas;
 pub mod gpu;
 pub mod kernels;
 pub mod nvrtc;
+pub mod synth_layer;
 
-pub use backend::{CudaBackend, Precision};
+pub use backend::{Bf16Parts, CudaBackend, Precision};
 pub use gpu::{DevMem, Gpu, PinnedBuf};
 
 /// Why no CUDA device can be used, or the device's name and compute capability.

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the release k3-prefill binary and the CUDA test binaries here and copies them, with
+# stable names, into .devbin/ (git-ignored) for a run on the lent GPU machine:
+#   scripts/gpu-pack.sh            # then carry .devbin and run scripts/gpu-run.sh there
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .devbin
+cargo build --release -p cuda-prefiller --bin k3-prefill
+cp target/release/k3-prefill .devbin/
+cargo test --release -p cuda-prefiller --test 'cuda_*' --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except Exception: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        name = m["target"]["name"]
+        shutil.copy(m["executable"], ".devbin/" + name)
+        print("packed", name)
+'
+strip .devbin/k3-prefill .devbin/cuda_* 2>/dev/null || true
+[ -f scripts/peer_bench.py ] && cp scripts/peer_bench.py .devbin/ || true
+du -sh .devbin

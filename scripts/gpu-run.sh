@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, with .devbin/ carried (scripts/gpu-pack.sh).
+# Usage: scripts/gpu-run.sh [tests] [bench ARGS...]   Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export K3_GOLDEN_DIR="$PWD/tests/golden/tiny-a" K3_KERNEL_CACHE=/tmp/k3-kernels RUST_LOG=${RUST_LOG:-warn}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+summary=()
+if [ "${1:-tests}" = tests ]; then
+  shift || true
+  for t in .devbin/cuda_*; do
+    n=$(basename "$t")
+    start=$(date +%s.%N)
+    "$t" --test-threads=1 --nocapture >"$OUT/$n.log" 2>&1
+    rc=$?
+    el=$(python3 -c "print(f'{$(date +%s.%N)-$start:.1f}')")
+    res=$(grep -E "^test result" "$OUT/$n.log" | tail -1)
+    summary+=("$(printf '%-14s rc=%d %6ss  %s' "$n" "$rc" "$el" "$res")")
+    grep -E "rel err|worst|exempt|identical|panicked|FAILED|SKIPPED" "$OUT/$n.log" | head -60
+  done
+fi
+printf '%s\n' "${summary[@]}"
