@@ -6,3 +6,4 @@ pub mod cpu;
 pub mod cuda;
 pub mod executor;
 pub mod model;
+pub mod streamer;
