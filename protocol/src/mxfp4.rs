@@ -98,26 +98,16 @@ pub fn quantize(w: &[f32], out_features: usize, in_features: usize) -> (Vec<u8>,
     assert_eq!(in_features % GROUP, 0);
     let mut packed = vec![0u8; out_features * in_features / 2];
     let mut scale = vec![0u8; out_features * in_features / GROUP];
-    for r in 0..out_features {
-        for g in 0..in_features / GROUP {
-            let base = r * in_features + g * GROUP;
-            let grp = &w[base..base + GROUP];
-            let amax = grp.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            // Exponent e with 2^(e-127) = 2^ceil(log2(amax/6)), clamped to the E8M0 range.
-            let e: i32 = if amax > 0.0 { ((amax / 6.0).log2().ceil() as i32 + 127).clamp(1, 254) } else { 127 };
-            scale[r * in_features / GROUP + g] = e as u8;
-            let sc = e8m0(e as u8);
-            for j in 0..GROUP {
-                let x = grp[j] / sc;
-                let code = nearest_e2m1(x);
-                let idx = base + j;
-                let byte = &mut packed[idx / 2];
-                if idx % 2 == 0 {
-                    *byte |= code;
-                } else {
-                    *byte |= code << 4;
-                }
-            }
+    for (k, grp) in w.chunks_exact(GROUP).enumerate() {
+        let amax = grp.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        // Exponent e with 2^(e-127) = 2^ceil(log2(amax/6)), clamped to the E8M0 range.
+        let e: i32 = if amax > 0.0 { ((amax / 6.0).log2().ceil() as i32 + 127).clamp(1, 254) } else { 127 };
+        scale[k] = e as u8;
+        // 1/scale is an exact power of two (2^-127 is a subnormal), so x * inv == x / scale.
+        let inv = 1.0 / e8m0(e as u8);
+        let dst = &mut packed[k * GROUP / 2..(k + 1) * GROUP / 2];
+        for (d, pair) in dst.iter_mut().zip(grp.chunks_exact(2)) {
+            *d = nearest_e2m1(pair[0] * inv) | nearest_e2m1(pair[1] * inv) << 4;
         }
     }
     (packed, scale)
@@ -203,6 +193,39 @@ mod tests {
         }
         for x in xs {
             assert_eq!(nearest_e2m1(x), brute(x), "x = {x}");
+        }
+    }
+
+    /// The group-wise quantiser equals a plain per-element reference (divide by the scale,
+    /// nearest code, low nibble = even element) on values of every magnitude.
+    #[test]
+    fn quantize_matches_a_per_element_reference() {
+        let (rows, cols) = (7, 96);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5;
+                let mag = [1e-30f32, 1e-3, 1.0, 7.0, 1e20][(i / 32) % 5];
+                if i % 97 == 0 { 0.0 } else { u * mag }
+            })
+            .collect();
+        let (p, s) = quantize(&w, rows, cols);
+        for r in 0..rows {
+            for g in 0..cols / GROUP {
+                let grp = &w[r * cols + g * GROUP..][..GROUP];
+                let amax = grp.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let e = if amax > 0.0 { ((amax / 6.0).log2().ceil() as i32 + 127).clamp(1, 254) } else { 127 };
+                assert_eq!(s[r * cols / GROUP + g], e as u8);
+                for j in 0..GROUP {
+                    let i = r * cols + g * GROUP + j;
+                    let code = nearest_e2m1(w[i] / e8m0(e as u8));
+                    let byte = p[i / 2];
+                    assert_eq!(if i % 2 == 0 { byte & 15 } else { byte >> 4 }, code, "element {i}");
+                }
+            }
         }
     }
 

@@ -10,8 +10,6 @@
 //! - routed experts `N(0, 1/in)`, quantised to MXFP4 with `scale = 2^ceil(log2(amax/6))`
 //!   per 32-group ([`crate::mxfp4::quantize`]) in the compressed-tensors layout.
 
-use rand_distr::{Distribution, StandardNormal};
-
 use super::rng::Rng;
 use crate::mxfp4;
 use crate::tensors::{DType, Init, TensorSpec};
@@ -91,7 +89,7 @@ pub fn unit_bytes(specs: &[TensorSpec], u: &Unit) -> usize {
 
 #[inline]
 fn normal(rng: &mut Rng) -> f32 {
-    StandardNormal.sample(rng)
+    rng.normal()
 }
 
 #[inline]
