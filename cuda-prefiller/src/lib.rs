@@ -6,4 +6,5 @@ pub mod cpu;
 pub mod cuda;
 pub mod executor;
 pub mod model;
+pub mod server;
 pub mod streamer;

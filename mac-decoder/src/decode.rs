@@ -75,6 +75,14 @@ impl Session {
     pub fn state_bytes(&self) -> usize {
         self.cache.nbytes()
     }
+    /// The prefill client (`crate::remote`) rewinds a session to the prefix the prefill node
+    /// holds and commits the layers it streamed.
+    pub(crate) fn cache_mut(&mut self) -> &mut ModelCache {
+        &mut self.cache
+    }
+    pub(crate) fn set_last_logits(&mut self, logits: Option<Vec<f32>>) {
+        self.last_logits = logits;
+    }
 }
 
 /// What to generate.

@@ -11,5 +11,7 @@ pub mod ingest;
 pub mod mlx;
 #[cfg(feature = "mlx")]
 pub mod model;
+#[cfg(feature = "mlx")]
+pub mod remote;
 pub mod tokenizer;
 pub mod vision;

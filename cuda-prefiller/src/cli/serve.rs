@@ -1,9 +1,184 @@
-//! `k3-prefill serve`.
+//! `k3-prefill serve`: the prefill node. Loads the model on the chosen backend, listens for
+//! paired decoders over QUIC, prefills their prompts layer-major and streams the state back
+//! layer by layer; keeps session prefixes so a conversation's next turn only prefills its new
+//! tokens. See docs/e2e.md.
+//!
+//! Pairing: the node's certificate lives in `--config-dir` (default
+//! `~/.config/k3-offload/prefill`, created on first run). Give the decoder this node's
+//! fingerprint (printed at start) and pass the decoder's with `--decoder-fingerprint` (saved in
+//! `pinned-peers.txt`, so later starts remember it). `--insecure-dev` skips pinning on loopback.
 
-/// Arguments of `k3-prefill serve` (to be filled in by the owner of this command).
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use k3_protocol::transport::{default_config_dir, CertFingerprint, NodeConfig, NodeIdentity, NodeRole, PeerAuth, PinnedPeers};
+use k3_protocol::Checkpoint;
+
+use crate::backend::Backend;
+use crate::cli::synth::parse_size;
+use crate::cpu::CpuBackend;
+use crate::model::{Model, WeightPolicy};
+use crate::server::{PrefillNode, ServeOptions, StoreLimits};
+
+/// Which ops backend serves.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServeBackend {
+    /// CUDA when a usable GPU is present, else the CPU reference.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+/// Weight residency.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weights {
+    /// Resident when the checkpoint is under 8 GB, else per layer.
+    Auto,
+    /// Every layer loaded once at start.
+    Resident,
+    /// Each layer loaded when the executor reaches it (bounded memory, large models).
+    PerLayer,
+}
+
+/// Arguments of `k3-prefill serve`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint directory (release layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Address to listen on (UDP), e.g. 0.0.0.0:7433 or 127.0.0.1:7433.
+    #[arg(long)]
+    pub listen: SocketAddr,
+    #[arg(long, value_enum, default_value_t = ServeBackend::Auto)]
+    pub backend: ServeBackend,
+    /// CUDA precision of the dense GEMMs: bf16 (fast) or f32 (reference).
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
+    /// Plain loopback testing without certificate pinning (loopback addresses only).
+    #[arg(long)]
+    pub insecure_dev: bool,
+    /// Where this node's certificate and pinned peers live.
+    #[arg(long)]
+    pub config_dir: Option<PathBuf>,
+    /// Pin a decoder's certificate (sha256:...); repeatable; saved for later starts.
+    #[arg(long)]
+    pub decoder_fingerprint: Vec<String>,
+    /// Memory for session prefixes kept between turns, e.g. 16GiB.
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    pub session_memory: u64,
+    /// A session prefix unused this long (seconds) is dropped.
+    #[arg(long, default_value_t = 1800)]
+    pub session_lease_secs: u64,
+    /// Requests that may wait behind the running one; more are refused (the decoder then
+    /// prefills locally).
+    #[arg(long, default_value_t = 8)]
+    pub max_queue: usize,
+    /// Most new tokens per request.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_request_tokens: usize,
+    /// Executor: tokens per chunk within a layer.
+    #[arg(long, default_value_t = 512)]
+    pub chunk_tokens: usize,
+    #[arg(long, value_enum, default_value_t = Weights::Auto)]
+    pub weights: Weights,
+    /// Testing: sleep this many milliseconds after each layer.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub debug_layer_delay_ms: u64,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("k3-prefill serve is not implemented yet")
+impl Args {
+    fn options(&self) -> ServeOptions {
+        ServeOptions {
+            store: StoreLimits { max_bytes: self.session_memory, lease: Duration::from_secs(self.session_lease_secs) },
+            max_queue: self.max_queue,
+            max_request_tokens: self.max_request_tokens,
+            chunk_tokens: self.chunk_tokens.max(1),
+            layer_delay: Duration::from_millis(self.debug_layer_delay_ms),
+            ..ServeOptions::default()
+        }
+    }
+}
+
+/// The node's identity and who it trusts.
+fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
+    let dir = args.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Prefill));
+    let identity = NodeIdentity::load_or_create(&dir)?;
+    if args.insecure_dev {
+        if !args.listen.ip().is_loopback() {
+            bail!("--insecure-dev works on loopback only; {} is not a loopback address", args.listen);
+        }
+        return Ok((identity, PeerAuth::InsecureDev));
+    }
+    let mut pinned = PinnedPeers::load(&dir)?;
+    for fp in &args.decoder_fingerprint {
+        let f = CertFingerprint::parse(fp).with_context(|| format!("--decoder-fingerprint {fp}: expected sha256:<64 hex digits>"))?;
+        pinned.add_and_save(&dir, f, "decoder")?;
+        tracing::info!(fingerprint = %f, dir = %dir.display(), "decoder pinned");
+    }
+    eprintln!("{}", identity.pairing_text(NodeRole::Prefill));
+    if pinned.peers.is_empty() {
+        bail!(
+            "no decoder is paired with this node: pass --decoder-fingerprint sha256:... (the decoder's \
+             certificate fingerprint; `k3-decode` prints it when it connects) or use --insecure-dev on loopback"
+        );
+    }
+    Ok((identity, PeerAuth::Pinned(pinned.fingerprints())))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
+    let choice = match args.backend {
+        ServeBackend::Cpu => ServeBackend::Cpu,
+        ServeBackend::Cuda => ServeBackend::Cuda,
+        ServeBackend::Auto => match crate::cuda::probe() {
+            Ok(gpu) => {
+                tracing::info!(%gpu, "--backend auto: using CUDA");
+                ServeBackend::Cuda
+            }
+            Err(why) => {
+                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference backend");
+                ServeBackend::Cpu
+            }
+        },
+    };
+    match choice {
+        ServeBackend::Cuda => {
+            let precision: crate::cuda::Precision = args.precision.parse()?;
+            let backend = crate::cuda::CudaBackend::new(precision).context("--backend cuda: opening the GPU")?;
+            serve_with(Arc::new(backend), ck, &args)
+        }
+        _ => serve_with(Arc::new(CpuBackend), ck, &args),
+    }
+}
+
+fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: &Args) -> anyhow::Result<()> {
+    let (identity, peers) = peer_auth(args)?;
+    let fingerprint = ck.fingerprint();
+    let total_bytes: u64 = ck.total_bytes();
+    let policy = match args.weights {
+        Weights::Resident => WeightPolicy::Resident,
+        Weights::PerLayer => WeightPolicy::PerLayer,
+        Weights::Auto if total_bytes < 8_000_000_000 => WeightPolicy::Resident,
+        Weights::Auto => WeightPolicy::PerLayer,
+    };
+    let t0 = std::time::Instant::now();
+    let name = backend.name().to_string();
+    let model = Model::new(backend, ck, policy).context("loading the model")?;
+    tracing::info!(
+        model = %args.model.display(),
+        fingerprint = %fingerprint.short(),
+        backend = %name,
+        ?policy,
+        secs = format!("{:.2}", t0.elapsed().as_secs_f64()),
+        "model loaded"
+    );
+    let node_cfg = NodeConfig::new(identity, peers, fingerprint, &name);
+    let node = PrefillNode::start(model, args.listen, node_cfg, args.options())?;
+    // `k3-prefill serve` scripts wait for this exact line on stderr.
+    eprintln!("k3-prefill: serving on {} (backend {name}, model {})", node.local_addr(), fingerprint.short());
+    node.run_until_signal();
+    Ok(())
 }

@@ -42,6 +42,28 @@ pub struct Args {
     /// Write `{"tokens": [...]}` here as well.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Split inference (see crate::remote): prefill prompts on this prefill node (HOST:PORT);
+    /// prompts shorter than --remote-min-tokens stay local; any failure falls back to local.
+    #[arg(long)]
+    pub prefill_node: Option<String>,
+    /// Plain loopback testing without certificate pinning (loopback addresses only).
+    #[arg(long)]
+    pub insecure_dev: bool,
+    /// Prompts with at least this many new tokens go to the prefill node.
+    #[arg(long, default_value_t = 1024)]
+    pub remote_min_tokens: usize,
+    /// Pin the prefill node's certificate (sha256:..., printed by `k3-prefill serve`); saved.
+    #[arg(long)]
+    pub prefill_fingerprint: Vec<String>,
+    /// The decoder's certificate and pinned peers (default ~/.config/k3-offload/decoder).
+    #[arg(long)]
+    pub config_dir: Option<PathBuf>,
+    /// More turns of the same conversation: each file's ids follow the previous turn's output.
+    #[arg(long)]
+    pub next_turn: Vec<PathBuf>,
+    /// Write the per-turn timing breakdown (JSON) here.
+    #[arg(long)]
+    pub timing_json: Option<PathBuf>,
 }
 
 /// Reads a JSON array of token ids.
@@ -68,6 +90,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     use crate::decode::{Engine, EngineOptions, GenerateParams};
     use crate::sampler::SamplingParams;
 
+    if args.prefill_node.is_some() || !args.next_turn.is_empty() {
+        return crate::remote::cli::run_generate(&args);
+    }
     if args.input_ids.is_none() && args.state.is_none() {
         anyhow::bail!("give --input-ids (local prefill), --state (hand-off state), or both");
     }

@@ -1,0 +1,300 @@
+//! The prefill server (`k3-prefill serve`): accepts paired decoders over QUIC
+//! ([`k3_protocol::transport::PrefillServer`]), runs the layer-major executor for their
+//! requests on one compute worker (one prefill at a time per backend; later requests queue, a
+//! full queue is refused as `Busy`), ships each layer's state the moment it is done, and keeps
+//! each session's prefix in a bounded [`sessions::SessionStore`] so the next turn prefills only
+//! its new tokens.
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use std::sync::Arc;
+//! use cuda_prefiller::{cpu::CpuBackend, model::{Model, WeightPolicy}, server::{PrefillNode, ServeOptions}};
+//! # let node_config: k3_protocol::transport::NodeConfig = todo!();
+//! let ck = Arc::new(k3_protocol::Checkpoint::open(std::path::Path::new("tests/golden/tiny-a"))?);
+//! let model = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident)?;
+//! let node = PrefillNode::start(model, "127.0.0.1:0".parse()?, node_config, ServeOptions::default())?;
+//! println!("listening on {}", node.local_addr());
+//! node.shutdown();
+//! # Ok(()) }
+//! ```
+
+pub mod metrics;
+mod request;
+pub mod sessions;
+mod worker;
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use k3_protocol::config::TextConfig;
+use k3_protocol::transport::{NodeConfig, PrefillConnection, PrefillServer, TransferError};
+use tokio::sync::watch;
+
+use crate::backend::Backend;
+use crate::model::Model;
+pub use metrics::{MetricsSnapshot, Outcome, RequestRecord, ServerMetrics};
+pub use sessions::{SessionStore, StoreLimits, StoreStats};
+
+/// Settings of a prefill node.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Session prefixes: byte limit and idle lease.
+    pub store: StoreLimits,
+    /// Requests that may wait behind the computing one; more are refused as `Busy`.
+    pub max_queue: usize,
+    /// Most new tokens in one request (`TooLarge` past it).
+    pub max_request_tokens: usize,
+    /// Executor: tokens per chunk within a layer.
+    pub chunk_tokens: usize,
+    /// Finished layers the worker may hold while the network is behind.
+    pub layer_buffer: usize,
+    /// Test hook: the worker sleeps this long after each layer.
+    #[doc(hidden)]
+    pub layer_delay: Duration,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            store: StoreLimits::default(),
+            max_queue: 8,
+            max_request_tokens: 1 << 20,
+            chunk_tokens: 512,
+            layer_buffer: 2,
+            layer_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// State every connection task shares.
+pub(crate) struct Shared {
+    pub(crate) text_config: TextConfig,
+    pub(crate) opts: ServeOptions,
+    pub(crate) sessions: Mutex<SessionStore>,
+    pub(crate) metrics: Arc<ServerMetrics>,
+    pub(crate) jobs: Mutex<std::sync::mpsc::Sender<worker::Job>>,
+    pub(crate) in_flight: AtomicUsize,
+}
+
+/// A running prefill node: its own tokio runtime (network), one compute thread (model).
+/// Dropping it shuts it down gracefully.
+pub struct PrefillNode {
+    addr: SocketAddr,
+    backend: String,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    runtime: Option<tokio::runtime::Runtime>,
+    serve_task: Option<tokio::task::JoinHandle<()>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PrefillNode {
+    /// Binds `listen` and starts serving `model`.
+    pub fn start<B: Backend + 'static>(model: Model<B>, listen: SocketAddr, node: NodeConfig, opts: ServeOptions) -> anyhow::Result<PrefillNode> {
+        let backend = model.backend.name().to_string();
+        let text_config = model.cfg.clone();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("prefill-net")
+            .enable_all()
+            .build()
+            .context("starting the network runtime")?;
+        let server = {
+            let _g = runtime.enter();
+            PrefillServer::bind(listen, node).with_context(|| format!("listening on {listen}"))?
+        };
+        let addr = server.local_addr();
+        let (jobs, worker) = worker::spawn(
+            Arc::new(model),
+            worker::WorkerOptions { chunk_tokens: opts.chunk_tokens, layer_delay: opts.layer_delay },
+        )
+        .context("starting the compute thread")?;
+        let shared = Arc::new(Shared {
+            text_config,
+            sessions: Mutex::new(SessionStore::new(opts.store)),
+            opts,
+            metrics: Arc::new(ServerMetrics::default()),
+            jobs: Mutex::new(jobs),
+            in_flight: AtomicUsize::new(0),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let serve_task = runtime.spawn(serve(server, shared.clone(), stop_rx));
+        tracing::info!(%addr, backend, "prefill node ready");
+        Ok(PrefillNode { addr, backend, shared, stop, runtime: Some(runtime), serve_task: Some(serve_task), worker: Some(worker) })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Name of the compute backend ("cpu", "cuda").
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    pub fn metrics(&self) -> Arc<ServerMetrics> {
+        self.shared.metrics.clone()
+    }
+
+    /// Counters, session store and recent requests at this instant.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let sessions = self.shared.sessions.lock().map(|s| s.stats()).unwrap_or_default();
+        MetricsSnapshot { counters: self.shared.metrics.counters(), sessions, recent: self.shared.metrics.recent() }
+    }
+
+    /// Serves until SIGINT/SIGTERM (or a stop through [`PrefillNode::stop_handle`]), then shuts
+    /// down gracefully.
+    pub fn run_until_signal(mut self) {
+        if let (Some(rt), Some(task)) = (self.runtime.as_ref(), self.serve_task.as_mut()) {
+            let stop = self.stop.clone();
+            rt.block_on(async {
+                #[cfg(unix)]
+                let term = async {
+                    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                        Ok(mut s) => {
+                            s.recv().await;
+                        }
+                        Err(_) => std::future::pending::<()>().await,
+                    }
+                };
+                #[cfg(not(unix))]
+                let term = std::future::pending::<()>();
+                tokio::select! {
+                    _ = task => {}
+                    _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; shutting down"),
+                    _ = term => tracing::info!("terminated; shutting down"),
+                }
+                let _ = stop.send(true);
+            });
+        }
+        let snap = self.snapshot();
+        tracing::info!(
+            requests = snap.counters.requests,
+            completed = snap.counters.completed,
+            refused = snap.counters.refused,
+            failed = snap.counters.failed,
+            tokens = snap.counters.tokens_prefilled,
+            state_mb = format!("{:.1}", snap.counters.state_bytes_sent as f64 / 1e6),
+            compute_s = format!("{:.2}", snap.counters.compute_s),
+            "prefill node summary"
+        );
+        self.shutdown_inner(true);
+    }
+
+    /// A handle that asks the node to stop (from a signal handler task, another thread...).
+    pub fn stop_handle(&self) -> watch::Sender<bool> {
+        self.stop.clone()
+    }
+
+    /// Stops accepting, closes every connection politely, waits for the compute thread.
+    pub fn shutdown(mut self) {
+        self.shutdown_inner(true);
+    }
+
+    /// Test hook: dies like a killed process — no goodbye on any connection, every task dropped
+    /// at once. Decoders notice only through their timeouts.
+    #[doc(hidden)]
+    pub fn kill(mut self) {
+        self.shutdown_inner(false);
+    }
+
+    fn shutdown_inner(&mut self, graceful: bool) {
+        let Some(rt) = self.runtime.take() else { return };
+        if graceful {
+            let _ = self.stop.send(true);
+            if let Some(task) = self.serve_task.take() {
+                let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), task).await });
+            }
+            rt.shutdown_timeout(Duration::from_secs(2));
+        } else {
+            rt.shutdown_background();
+        }
+        // Closing the job channel ends the worker after its current job.
+        if let Ok(mut j) = self.shared.jobs.lock() {
+            let (dead, _) = std::sync::mpsc::channel();
+            *j = dead;
+        }
+        if let Some(w) = self.worker.take() {
+            if graceful {
+                let _ = w.join();
+            }
+        }
+        tracing::info!(addr = %self.addr, graceful, "prefill node stopped");
+    }
+}
+
+impl Drop for PrefillNode {
+    fn drop(&mut self) {
+        self.shutdown_inner(true);
+    }
+}
+
+/// Accepts decoders until told to stop.
+async fn serve(server: PrefillServer, sh: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let next = tokio::select! {
+            c = server.accept() => c,
+            _ = stop.wait_for(|v| *v) => break,
+        };
+        match next {
+            Some(Ok(conn)) => {
+                sh.metrics.update(|c| c.connections += 1);
+                conns.spawn(serve_connection(conn, sh.clone()));
+            }
+            Some(Err(e)) => {
+                sh.metrics.update(|c| c.handshake_failures += 1);
+                tracing::warn!("a decoder could not connect: {e}");
+            }
+            None => break,
+        }
+        while conns.try_join_next().is_some() {}
+    }
+    server.close();
+    let n = conns.len();
+    if n > 0 {
+        tracing::info!(connections = n, "closing decoder connections");
+    }
+    conns.abort_all();
+    while conns.join_next().await.is_some() {}
+}
+
+/// One decoder's connection: its requests one after another (a decoder does not pipeline).
+async fn serve_connection(mut conn: PrefillConnection, sh: Arc<Shared>) {
+    let peer = conn.peer().addr;
+    let name = conn.peer().node_name.clone();
+    let mut errors = 0;
+    loop {
+        match conn.next_request().await {
+            Ok(Some(req)) => {
+                errors = 0;
+                request::handle(sh.clone(), req).await;
+            }
+            Ok(None) => {
+                tracing::info!(%peer, %name, "decoder disconnected");
+                return;
+            }
+            Err(e @ (TransferError::ConnectionLost { .. } | TransferError::Stalled { .. })) => {
+                tracing::info!(%peer, %name, "decoder connection ended: {e}");
+                return;
+            }
+            Err(e) => {
+                // Already answered with an Error; the connection stays up unless it keeps failing.
+                sh.metrics.update(|c| {
+                    c.requests += 1;
+                    c.refused += 1;
+                });
+                tracing::warn!(%peer, %name, "bad request: {e}");
+                errors += 1;
+                if errors >= 8 {
+                    tracing::warn!(%peer, %name, "too many bad requests in a row; closing the connection");
+                    conn.close("too many bad requests");
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! One prefill request, from the decoder's `PrefillRequest` to `Done`: check it, take the
+//! session's base prefix, accept (announcing the state layout), queue the compute, stream every
+//! layer as the worker finishes it, send the last logits, keep the new prefix.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use k3_protocol::handoff::HandoffState;
+use k3_protocol::transport::{IncomingRequest, TransferError};
+use k3_protocol::wire::{ErrorCode, SessionId, StateLayout, Timing};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::executor::EmbeddingOverrides;
+use crate::server::metrics::{Outcome, RequestRecord};
+use crate::server::sessions::{LeaseError, Leased};
+use crate::server::worker::{Job, JobDone};
+use crate::server::Shared;
+
+/// A refusal before anything was accepted.
+struct Refusal {
+    code: ErrorCode,
+    message: String,
+}
+
+fn refusal(code: ErrorCode, message: impl Into<String>) -> Refusal {
+    Refusal { code, message: message.into() }
+}
+
+/// Checks what the model can check before any work: ids, sizes, image rows.
+fn check_request(sh: &Shared, req: &k3_protocol::wire::PrefillRequest) -> Result<Option<EmbeddingOverrides>, Refusal> {
+    let c = &sh.text_config;
+    let n = req.tokens.len();
+    if n == 0 {
+        return Err(refusal(ErrorCode::InvalidRequest, "the request holds no tokens"));
+    }
+    if n > sh.opts.max_request_tokens {
+        return Err(refusal(
+            ErrorCode::TooLarge,
+            format!("{n} new tokens exceed this node's limit of {} per request", sh.opts.max_request_tokens),
+        ));
+    }
+    if let Some((i, t)) = req.tokens.iter().enumerate().find(|(_, t)| **t as usize >= c.vocab_size) {
+        return Err(refusal(
+            ErrorCode::InvalidRequest,
+            format!("token {t} at position {i} is outside the vocabulary (size {})", c.vocab_size),
+        ));
+    }
+    let Some(im) = &req.image_embeddings else { return Ok(None) };
+    if im.width as usize != c.hidden_size {
+        return Err(refusal(
+            ErrorCode::InvalidRequest,
+            format!("image embedding rows are {} wide, the model's hidden size is {}", im.width, c.hidden_size),
+        ));
+    }
+    let mut seen = vec![false; n];
+    for &p in &im.positions {
+        let p = p as usize;
+        if p >= n || seen[p] {
+            return Err(refusal(ErrorCode::InvalidRequest, format!("image embedding position {p} is past the tokens or repeated")));
+        }
+        seen[p] = true;
+    }
+    if let Some(i) = im.rows.iter().position(|x| !x.is_finite()) {
+        return Err(refusal(ErrorCode::InvalidRequest, format!("image embeddings hold a non-finite value at index {i}")));
+    }
+    Ok(Some(EmbeddingOverrides { positions: im.positions.iter().map(|&p| p as usize).collect(), rows: im.rows.clone() }))
+}
+
+/// Where a request's starting state came from, so it can be put back if the request fails.
+struct Start {
+    session: SessionId,
+    /// Some(tokens): the state is the leased prefix of these tokens. None: a fresh start.
+    prefix: Option<Vec<u32>>,
+}
+
+impl Start {
+    /// Gives the leased prefix back when `state` is still exactly it (a request that failed
+    /// before the executor committed anything); otherwise the session is dropped, and the
+    /// decoder's next turn resends everything.
+    fn put_back(self, sh: &Shared, state: Option<HandoffState>) {
+        let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        match (self.prefix, state) {
+            (Some(tokens), Some(state)) if state.tokens == tokens.len() => {
+                store.release(Leased { session: self.session, tokens, state }, Instant::now())
+            }
+            _ => store.forget(&self.session),
+        }
+    }
+}
+
+/// Handles one request to its end; never panics on what the decoder sent.
+pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
+    let peer = req.peer().to_string();
+    let r = &req.request;
+    let session = r.session;
+    let new_tokens = r.tokens.len() as u64;
+    let mut record = RequestRecord {
+        request: req.id(),
+        peer: peer.clone(),
+        session: session.to_string(),
+        base_tokens: r.base.as_ref().map_or(0, |b| b.tokens),
+        new_tokens,
+        outcome: Outcome::Completed,
+        queue_s: 0.0,
+        compute_s: 0.0,
+        network_wait_s: 0.0,
+        total_s: 0.0,
+        state_bytes: 0,
+    };
+    sh.metrics.update(|c| c.requests += 1);
+
+    // 1. What can be refused without work.
+    let overrides = match check_request(&sh, r) {
+        Ok(o) => o,
+        Err(f) => return refuse(&sh, req, f, record).await,
+    };
+    // 2. The base prefix (leased out of the store for this request), or a fresh state.
+    let now = Instant::now();
+    let lease = {
+        let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        match &r.base {
+            Some(b) => store.lease(session, b, now).map(|l| (Start { session, prefix: Some(l.tokens) }, l.state)),
+            None => store
+                .claim_fresh(session, now)
+                .map(|_old| (Start { session, prefix: None }, HandoffState::empty(&sh.text_config))),
+        }
+    };
+    let (start, state) = match lease {
+        Ok(x) => x,
+        Err(LeaseError::Busy(s)) => {
+            return refuse(&sh, req, refusal(ErrorCode::Busy, format!("session {s} is in use by another request")), record).await
+        }
+        Err(e) => return refuse(&sh, req, refusal(ErrorCode::BaseNotHeld, e.to_string()), record).await,
+    };
+    let total_tokens = state.tokens + r.tokens.len();
+    if total_tokens > sh.text_config.max_position_embeddings {
+        start.put_back(&sh, Some(state));
+        let msg = format!(
+            "the session would hold {total_tokens} tokens, past the model's max_position_embeddings {}",
+            sh.text_config.max_position_embeddings
+        );
+        return refuse(&sh, req, refusal(ErrorCode::TooLarge, msg), record).await;
+    }
+    // 3. Room in the queue? (`in_flight` counts the computing request and the waiting ones.)
+    let ahead = sh.in_flight.fetch_add(1, Ordering::SeqCst);
+    if ahead > sh.opts.max_queue {
+        sh.in_flight.fetch_sub(1, Ordering::SeqCst);
+        start.put_back(&sh, Some(state));
+        let msg = format!("{ahead} requests are running or queued here (limit {}); prefill locally or retry", sh.opts.max_queue + 1);
+        return refuse(&sh, req, refusal(ErrorCode::Busy, msg), record).await;
+    }
+    let in_flight_guard = InFlight(sh.clone());
+    sh.metrics.update(|c| c.in_flight = ahead as u64 + 1);
+    let keep = r.options.keep_session;
+    let want_logits = r.options.return_last_logits;
+    let tokens = r.tokens.clone();
+    let layout = StateLayout::for_model(&sh.text_config, tokens.len());
+    let base = state.tokens as u64;
+
+    // 4. Accept: the decoder learns the layout, the data streams open.
+    let accepted_at = Instant::now();
+    let mut tx = match req.accept(base, layout).await {
+        Ok(tx) => tx,
+        Err(e) => {
+            start.put_back(&sh, Some(state));
+            record.outcome = Outcome::Failed { reason: format!("accept: {e}") };
+            tracing::warn!(%peer, %session, "could not accept the request: {e}");
+            return sh.metrics.record(record);
+        }
+    };
+    if ahead > 0 {
+        tracing::info!(%peer, %session, request = tx.request_id(), ahead, "request queued behind others");
+    }
+
+    // 5. Compute on the worker thread; stream each layer as it comes.
+    let (layer_tx, mut layer_rx) = mpsc::channel(sh.opts.layer_buffer.max(1));
+    let (done_tx, done_rx) = oneshot::channel::<JobDone>();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        request: tx.request_id(),
+        tokens: tokens.clone(),
+        overrides,
+        state,
+        layers: layer_tx,
+        done: done_tx,
+        cancel: cancel.clone(),
+        queued_at: Instant::now(),
+    };
+    let submitted = match sh.jobs.lock() {
+        Ok(j) => j.send(job).map_err(|e| e.0),
+        Err(_) => Err(job),
+    };
+    if let Err(job) = submitted {
+        start.put_back(&sh, Some(job.state));
+        tx.abort(ErrorCode::ShuttingDown, "the compute worker is gone").await;
+        record.outcome = Outcome::Failed { reason: "the compute worker is gone".into() };
+        return sh.metrics.record(record);
+    }
+    let mut send_err: Option<TransferError> = None;
+    while let Some(ld) = layer_rx.recv().await {
+        // Progress first: it tells the decoder when the layer finished on this node.
+        let sent = match tx.progress(ld.layer as u32 + 1, ld.compute_s).await {
+            Ok(()) => tx.send_layer(ld.layer, ld.state).await,
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(()) => sh.metrics.update(|c| c.layers_sent += 1),
+            Err(e) => {
+                tracing::warn!(%peer, %session, layer = ld.layer, "stopping the prefill: {e}");
+                cancel.store(true, Ordering::Relaxed);
+                send_err = Some(e);
+                break; // dropping the receiver makes the worker's next send fail
+            }
+        }
+    }
+    drop(layer_rx);
+    let done = done_rx.await.unwrap_or_else(|_| JobDone {
+        state: None,
+        result: Err(anyhow::anyhow!("the compute worker stopped")),
+        compute_s: 0.0,
+        network_wait_s: 0.0,
+        queue_s: 0.0,
+    });
+    drop(in_flight_guard);
+    record.queue_s = done.queue_s;
+    record.compute_s = done.compute_s;
+    record.network_wait_s = done.network_wait_s;
+    let failure = match (&send_err, &done.result, &done.state) {
+        (Some(e), _, _) => Some(format!("transfer: {e}")),
+        (None, Err(e), _) => Some(format!("compute: {e:#}")),
+        (None, Ok(_), None) => Some("compute: the state was lost".to_string()),
+        (None, Ok(_), Some(_)) => None,
+    };
+    if let Some(reason) = failure {
+        // The executor leaves the state untouched when it stops early: the old prefix stays
+        // valid and goes back. Anything else drops the session.
+        start.put_back(&sh, done.state);
+        if send_err.is_none() {
+            tx.abort(ErrorCode::Internal, &reason).await;
+        }
+        tracing::warn!(%peer, %session, "prefill request failed: {reason}");
+        record.outcome = Outcome::Failed { reason };
+        record.total_s = accepted_at.elapsed().as_secs_f64();
+        return sh.metrics.record(record);
+    }
+    let (Ok(logits), Some(new_state)) = (done.result, done.state) else { unreachable!("failure handled above") };
+    let timing = Timing { compute_s: done.compute_s, ..Default::default() };
+
+    // 6. Done (returns once the decoder has every byte), then keep the new prefix.
+    match tx.finish(timing, want_logits.then_some(logits)).await {
+        Ok(t) => {
+            record.state_bytes = t.state_bytes;
+            record.total_s = t.total_s;
+            let stats = {
+                let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
+                if keep {
+                    let mut all = start.prefix.unwrap_or_default();
+                    all.extend_from_slice(&tokens);
+                    store.store(session, all, new_state, Instant::now());
+                } else {
+                    store.forget(&session);
+                }
+                store.stats()
+            };
+            tracing::info!(
+                %peer,
+                %session,
+                base,
+                new = new_tokens,
+                compute_s = format!("{:.3}", done.compute_s),
+                queue_s = format!("{:.3}", done.queue_s),
+                network_wait_s = format!("{:.3}", done.network_wait_s),
+                total_s = format!("{:.3}", t.total_s),
+                tok_per_s = format!("{:.1}", new_tokens as f64 / done.compute_s.max(1e-9)),
+                state_mb = format!("{:.2}", t.state_bytes as f64 / 1e6),
+                sessions = stats.sessions,
+                sessions_mb = format!("{:.1}", stats.bytes as f64 / 1e6),
+                "prefill done"
+            );
+        }
+        Err(e) => {
+            // The decoder did not get everything: it still counts on the old prefix, which the
+            // executor has advanced. Drop the session; the next turn resends.
+            sh.sessions.lock().unwrap_or_else(|p| p.into_inner()).forget(&session);
+            tracing::warn!(%peer, %session, "hand-off not delivered: {e}");
+            record.outcome = Outcome::Failed { reason: format!("transfer: {e}") };
+            record.total_s = accepted_at.elapsed().as_secs_f64();
+        }
+    }
+    sh.metrics.record(record);
+}
+
+/// Decrements the in-flight count when the request leaves the queue or the worker.
+struct InFlight(Arc<Shared>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let n = self.0.in_flight.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
+        self.0.metrics.update(|c| c.in_flight = n as u64);
+    }
+}
+
+async fn refuse(sh: &Shared, req: IncomingRequest, f: Refusal, mut record: RequestRecord) {
+    let code = format!("{:?}", f.code);
+    if let Err(e) = req.refuse(f.code, &f.message).await {
+        tracing::debug!("refusal not delivered: {e}");
+    }
+    record.outcome = Outcome::Refused { code, message: f.message };
+    sh.metrics.record(record);
+}

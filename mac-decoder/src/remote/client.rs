@@ -1,0 +1,467 @@
+//! [`RemotePrefiller`]: routes prompts to the prefill node or to the local engine, streams and
+//! stages the returned state, and falls back to a local prefill whenever the node cannot be used
+//! — unreachable, unpaired, another model, refusing, or failing mid-transfer. The user gets the
+//! same answer either way, and a log line saying why.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use k3_protocol::config::TextConfig;
+use k3_protocol::transport::{
+    default_config_dir, CertFingerprint, NodeConfig, NodeIdentity, NodeRole, PeerAuth, PinnedPeers, PrefillClient, TransferError,
+    TransferEvent, Tuning,
+};
+use k3_protocol::wire::{ErrorCode, ImageEmbeddings, PrefillOptions, PrefillRequest, StateLayout};
+
+use crate::decode::{Engine, GenerateOutput, GenerateParams, ImageEmbeds};
+use crate::remote::conversation::{Conversation, RemotePlan};
+use crate::remote::staged::StagedDelta;
+use crate::remote::timing::{Route, TurnTiming};
+
+/// How the decoder reaches its prefill node, and when it uses it.
+#[derive(Debug, Clone)]
+pub struct RemoteOptions {
+    /// `HOST:PORT` of the prefill node.
+    pub node: String,
+    /// `--insecure-dev`: no certificate pinning (loopback only).
+    pub insecure_dev: bool,
+    /// Pin these prefill-node certificates (`sha256:...`), saved in the decoder's pinned peers.
+    pub prefill_fingerprints: Vec<String>,
+    /// The decoder's certificate and pinned peers (default `~/.config/k3-offload/decoder`).
+    pub config_dir: Option<PathBuf>,
+    /// Prompts with at least this many new tokens go to the node; shorter ones stay local.
+    pub min_tokens: usize,
+    /// Give up connecting after this long.
+    pub connect_timeout: Duration,
+    /// After the node could not be reached, prefill locally for this long before trying again.
+    pub retry_after: Duration,
+    /// Parallel data streams and chunk size asked for.
+    pub streams: u16,
+    pub chunk_bytes: u32,
+    /// QUIC timeouts and windows.
+    pub tuning: Tuning,
+}
+
+impl RemoteOptions {
+    pub fn new(node: impl Into<String>) -> RemoteOptions {
+        RemoteOptions {
+            node: node.into(),
+            insecure_dev: false,
+            prefill_fingerprints: Vec::new(),
+            config_dir: None,
+            min_tokens: 1024,
+            connect_timeout: Duration::from_secs(5),
+            retry_after: Duration::from_secs(30),
+            streams: 4,
+            chunk_bytes: 1 << 20,
+            tuning: Tuning { idle_timeout: Duration::from_secs(15), ..Tuning::default() },
+        }
+    }
+}
+
+/// A connection that failed in a way that will not heal by itself soon.
+struct Down {
+    since: Instant,
+    reason: String,
+}
+
+/// The prefill client of one decoder. Holds a tokio runtime for the network; call it from a
+/// plain thread (the engine's thread), not from inside another tokio runtime.
+pub struct RemotePrefiller {
+    rt: tokio::runtime::Runtime,
+    opts: RemoteOptions,
+    node_cfg: std::result::Result<NodeConfig, String>,
+    text_config: TextConfig,
+    media_token: u32,
+    client: Option<PrefillClient>,
+    down: Option<Down>,
+}
+
+/// A failed remote attempt: why, and whether the node's prefix for this conversation is gone.
+struct Failure {
+    reason: String,
+    base_not_held: bool,
+}
+
+impl From<TransferError> for Failure {
+    fn from(e: TransferError) -> Failure {
+        let base_not_held = matches!(&e, TransferError::Refused { code: ErrorCode::BaseNotHeld, .. });
+        Failure { reason: e.to_string(), base_not_held }
+    }
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Failure {
+        Failure { reason: format!("{e:#}"), base_not_held: false }
+    }
+}
+
+/// The decoder's identity and who it trusts, from its config dir and the options.
+fn node_config(engine: &Engine, opts: &RemoteOptions) -> Result<NodeConfig> {
+    let dir = opts.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Decoder));
+    let identity = NodeIdentity::load_or_create(&dir)?;
+    let peers = if opts.insecure_dev {
+        PeerAuth::InsecureDev
+    } else {
+        let mut pinned = PinnedPeers::load(&dir)?;
+        for fp in &opts.prefill_fingerprints {
+            let f = CertFingerprint::parse(fp).ok_or_else(|| anyhow!("--prefill-fingerprint {fp}: expected sha256:<64 hex digits>"))?;
+            pinned.add_and_save(&dir, f, "prefill")?;
+        }
+        if pinned.peers.is_empty() {
+            return Err(anyhow!(
+                "no prefill node is paired with this decoder: pass --prefill-fingerprint sha256:... (printed by \
+                 `k3-prefill serve`) and give the node this decoder's fingerprint {} (--decoder-fingerprint), or use \
+                 --insecure-dev on loopback",
+                identity.fingerprint()
+            ));
+        }
+        PeerAuth::Pinned(pinned.fingerprints())
+    };
+    tracing::info!(certificate = %identity.fingerprint(), "decoder identity (give it to the prefill node with --decoder-fingerprint)");
+    let mut cfg = NodeConfig::new(identity, peers, *engine.fingerprint(), "mlx");
+    cfg.tuning = opts.tuning.clone();
+    Ok(cfg)
+}
+
+impl RemotePrefiller {
+    /// A prefiller for `engine`'s model. Pairing problems do not fail here: every remote attempt
+    /// then falls back with the reason.
+    pub fn new(engine: &Engine, opts: RemoteOptions) -> Result<RemotePrefiller> {
+        let cfg = node_config(engine, &opts).map_err(|e| format!("{e:#}"));
+        if let Err(e) = &cfg {
+            tracing::warn!("the prefill node cannot be used: {e}");
+        }
+        Self::build(engine, opts, cfg)
+    }
+
+    /// With an explicit node config (tests: fault hooks, generated identities).
+    pub fn with_node_config(engine: &Engine, opts: RemoteOptions, cfg: NodeConfig) -> Result<RemotePrefiller> {
+        Self::build(engine, opts, Ok(cfg))
+    }
+
+    fn build(engine: &Engine, opts: RemoteOptions, node_cfg: std::result::Result<NodeConfig, String>) -> Result<RemotePrefiller> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("prefill-client")
+            .enable_all()
+            .build()
+            .context("starting the prefill client's runtime")?;
+        Ok(RemotePrefiller {
+            rt,
+            opts,
+            node_cfg,
+            text_config: engine.text_config().clone(),
+            media_token: engine.config().media_placeholder_token_id,
+            client: None,
+            down: None,
+        })
+    }
+
+    pub fn options(&self) -> &RemoteOptions {
+        &self.opts
+    }
+
+    /// Backend and name of the connected node, if connected.
+    pub fn node(&self) -> Option<(String, String)> {
+        self.client.as_ref().map(|c| (c.server().node_name.clone(), c.server().capabilities.backend.clone()))
+    }
+
+    /// Prefills `tokens` (the new tokens of a turn, after everything the conversation holds):
+    /// remotely when there are at least `min_tokens` of them and the node works, else locally.
+    /// Errors only when the local prefill fails too.
+    pub fn prefill(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<TurnTiming> {
+        let t0 = Instant::now();
+        let mut timing = TurnTiming { prompt_tokens: tokens.len(), ..Default::default() };
+        let why_local = if tokens.len() < self.opts.min_tokens {
+            Some((Route::Local, format!("{} new tokens, below the remote threshold of {}", tokens.len(), self.opts.min_tokens)))
+        } else if let Err(e) = &self.node_cfg {
+            Some((Route::Fallback, e.clone()))
+        } else if let Some(d) = self.down.as_ref().filter(|d| d.since.elapsed() < self.opts.retry_after) {
+            Some((
+                Route::Fallback,
+                format!(
+                    "prefill node {} failed {:.0} s ago ({}); retrying after {:.0} s",
+                    self.opts.node,
+                    d.since.elapsed().as_secs_f64(),
+                    d.reason,
+                    self.opts.retry_after.as_secs_f64()
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((route, reason)) = why_local {
+            if route == Route::Fallback {
+                tracing::warn!("prefilling locally: {reason}");
+            } else {
+                tracing::info!("prefilling locally: {reason}");
+            }
+            return self.local(engine, conv, tokens, image, timing, route, reason, t0);
+        }
+        let attempt = Instant::now();
+        let mut r = self.remote(engine, conv, tokens, image, &mut timing);
+        if let Err(f) = &r {
+            if f.base_not_held && conv.remote_prefix_tokens() > 0 {
+                tracing::info!("the prefill node no longer holds this conversation ({}); resending all of it", f.reason);
+                conv.drop_remote();
+                r = self.remote(engine, conv, tokens, image, &mut timing);
+            }
+        }
+        match r {
+            Ok(()) => {
+                timing.route = Route::Remote;
+                timing.prefill_s = t0.elapsed().as_secs_f64();
+                timing.context_tokens = conv.session().tokens();
+                Ok(timing)
+            }
+            Err(f) => {
+                let reason = format!("remote prefill on {} failed: {}", self.opts.node, f.reason);
+                tracing::warn!("{reason}; prefilling locally instead");
+                timing = TurnTiming { prompt_tokens: tokens.len(), failed_attempt_s: Some(attempt.elapsed().as_secs_f64()), ..Default::default() };
+                self.local(engine, conv, tokens, image, timing, Route::Fallback, reason, t0)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn local(
+        &mut self,
+        engine: &Engine,
+        conv: &mut Conversation,
+        tokens: &[u32],
+        image: Option<&ImageEmbeds>,
+        mut timing: TurnTiming,
+        route: Route,
+        reason: String,
+        t0: Instant,
+    ) -> Result<TurnTiming> {
+        let t = Instant::now();
+        conv.prefill_local(engine, tokens, image)?;
+        timing.local_prefill_s = Some(t.elapsed().as_secs_f64());
+        timing.route = route;
+        timing.reason = reason;
+        timing.prefill_tokens = tokens.len();
+        timing.context_tokens = conv.session().tokens();
+        timing.prefill_s = t0.elapsed().as_secs_f64();
+        Ok(timing)
+    }
+
+    /// Connects if needed.
+    async fn connect(opts: &RemoteOptions, cfg: &NodeConfig, client: &mut Option<PrefillClient>) -> std::result::Result<(), (Failure, Severity)> {
+        if client.is_some() {
+            return Ok(());
+        }
+        let addr: SocketAddr = opts
+            .node
+            .to_socket_addrs()
+            .map_err(|e| (Failure { reason: format!("cannot resolve {}: {e}", opts.node), base_not_held: false }, Severity::Down))?
+            .next()
+            .ok_or_else(|| (Failure { reason: format!("{} resolves to no address", opts.node), base_not_held: false }, Severity::Down))?;
+        let c = match tokio::time::timeout(opts.connect_timeout, PrefillClient::connect(addr, cfg.clone())).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(classify(e)),
+            Err(_) => {
+                let reason = format!("cannot reach {addr}: no answer within {:.1} s", opts.connect_timeout.as_secs_f64());
+                return Err((Failure { reason, base_not_held: false }, Severity::Down));
+            }
+        };
+        *client = Some(c);
+        Ok(())
+    }
+
+    /// One remote attempt; on success the conversation holds the new state.
+    fn remote(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>, timing: &mut TurnTiming) -> std::result::Result<(), Failure> {
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure { reason: e.clone(), base_not_held: false })?.clone();
+        let plan = conv.plan_remote(tokens, self.media_token)?;
+        let image_embeddings = image_rows(engine, &plan, tokens, image)?;
+        let c = &self.text_config;
+        let request = PrefillRequest {
+            session: conv.id(),
+            base: plan.base.clone(),
+            tokens: plan.tokens.clone(),
+            image_embeddings,
+            options: PrefillOptions { keep_session: true, return_last_logits: true, streams: self.opts.streams, chunk_bytes: self.opts.chunk_bytes },
+        };
+        let expected = StateLayout::for_model(c, plan.tokens.len());
+        let mut staged = StagedDelta::new(c, plan.tokens.len());
+        let opts = self.opts.clone();
+        let client_slot = &mut self.client;
+        let sent_at = Instant::now();
+        let outcome: std::result::Result<Received, (Failure, Severity)> = self.rt.block_on(async {
+            Self::connect(&opts, &cfg, client_slot).await?;
+            let client = client_slot.as_mut().expect("connected above");
+            let rtt = client.stats().path.rtt;
+            let mut transfer = client.prefill(request, &expected).await.map_err(classify)?;
+            let mut ingest = Duration::ZERO;
+            let mut last_layer_done: Option<Instant> = None;
+            loop {
+                match transfer.next().await.map_err(classify)? {
+                    Some(TransferEvent::Layer { layer, state }) => {
+                        let t = Instant::now();
+                        staged.stage(layer, state).map_err(|e| (Failure::from(e.context("staging a layer")), Severity::Reconnect))?;
+                        ingest += t.elapsed();
+                    }
+                    Some(TransferEvent::Progress(p)) => {
+                        if p.layers_done >= p.layers_total {
+                            last_layer_done = Some(Instant::now());
+                        }
+                    }
+                    Some(TransferEvent::Done(summary)) => {
+                        return Ok(Received { summary, ingest, last_layer_done, rtt });
+                    }
+                    None => return Err((Failure { reason: "the transfer ended without Done".into(), base_not_held: false }, Severity::Reconnect)),
+                }
+            }
+        });
+        let got = match outcome {
+            Ok(g) => g,
+            Err((f, sev)) => {
+                if sev != Severity::Keep {
+                    self.client = None;
+                }
+                if sev == Severity::Down {
+                    self.down = Some(Down { since: Instant::now(), reason: f.reason.clone() });
+                }
+                return Err(f);
+            }
+        };
+        self.down = None;
+        let transfer_s = sent_at.elapsed().as_secs_f64();
+        let logits = got.summary.last_logits.clone().ok_or_else(|| Failure { reason: "the prefill node sent no last logits".into(), base_not_held: false })?;
+        let t = Instant::now();
+        conv.commit_remote(c, &plan, tokens, staged, logits)?;
+        let usable = Instant::now();
+        let ingest = got.ingest + t.elapsed();
+        timing.prefill_tokens = plan.tokens.len();
+        timing.remote_compute_s = Some(got.summary.server_timing.compute_s);
+        timing.transfer_s = Some(transfer_s);
+        timing.exposed_tail_s = got.last_layer_done.map(|d| (usable - d + got.rtt / 2).as_secs_f64());
+        timing.ingest_s = Some(ingest.as_secs_f64());
+        timing.state_bytes = got.summary.state_bytes;
+        tracing::info!(
+            node = %self.opts.node,
+            base = plan.base.as_ref().map_or(0, |b| b.tokens),
+            tokens = plan.tokens.len(),
+            compute_s = format!("{:.3}", got.summary.server_timing.compute_s),
+            transfer_s = format!("{transfer_s:.3}"),
+            tail_s = timing.exposed_tail_s.map(|v| format!("{v:.3}")).unwrap_or_default(),
+            mb = format!("{:.2}", got.summary.state_bytes as f64 / 1e6),
+            "remote prefill ingested"
+        );
+        Ok(())
+    }
+}
+
+/// What a finished transfer brought.
+struct Received {
+    summary: k3_protocol::transport::TransferSummary,
+    ingest: Duration,
+    last_layer_done: Option<Instant>,
+    rtt: Duration,
+}
+
+/// What a failure means for the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Severity {
+    /// The node answered (a refusal): keep the connection.
+    Keep,
+    /// This transfer broke: reconnect next time.
+    Reconnect,
+    /// The node cannot be used (unreachable, unpaired, another model): stay local for a while.
+    Down,
+}
+
+/// A transfer error and what it means for the connection.
+fn classify(e: TransferError) -> (Failure, Severity) {
+    use TransferError as T;
+    let sev = match &e {
+        T::Refused { .. } => Severity::Keep,
+        T::Connect { .. }
+        | T::ConnectionLost { .. }
+        | T::Stalled { .. }
+        | T::FingerprintMismatch { .. }
+        | T::VersionMismatch { .. }
+        | T::PeerCertificateNotPinned { .. }
+        | T::CertificateRefusedByPeer { .. }
+        | T::InsecureNotLoopback(_)
+        | T::Identity(_) => Severity::Down,
+        _ => Severity::Reconnect,
+    };
+    (e.into(), sev)
+}
+
+/// Image rows for the request: the decoder's local merge puts image row k at the k-th
+/// `<|media_pad|>` of the new tokens and zeroes `pad_token_id` positions when an image is
+/// given; the node gets exactly those rows as embedding overrides.
+fn image_rows(engine: &Engine, plan: &RemotePlan, new: &[u32], image: Option<&ImageEmbeds>) -> Result<Option<ImageEmbeddings>> {
+    let cfg = engine.config();
+    let h = engine.text_config().hidden_size;
+    let pads: Vec<usize> = (0..new.len()).filter(|&i| new[i] == cfg.media_placeholder_token_id).collect();
+    let Some(img) = image else {
+        if !pads.is_empty() {
+            anyhow::bail!("the prompt holds {} media placeholder token(s) but no image embeddings were given", pads.len());
+        }
+        return Ok(None);
+    };
+    if img.rows != pads.len() || img.data.len() != img.rows * h {
+        anyhow::bail!("{} image embedding rows ({} values) for {} media placeholder tokens of width {h}", img.rows, img.data.len(), pads.len());
+    }
+    let mut positions = Vec::new();
+    let mut rows = Vec::new();
+    for (k, &p) in pads.iter().enumerate() {
+        positions.push((plan.new_offset + p) as u32);
+        rows.extend_from_slice(&img.data[k * h..(k + 1) * h]);
+    }
+    for (i, &t) in new.iter().enumerate() {
+        if t == cfg.pad_token_id && t != cfg.media_placeholder_token_id {
+            positions.push((plan.new_offset + i) as u32);
+            rows.extend(std::iter::repeat(0.0).take(h));
+        }
+    }
+    Ok(Some(ImageEmbeddings { positions, width: h as u32, rows }))
+}
+
+/// One chat turn: prefill `prompt` (routed, with fallback), then generate. `remote` None means
+/// no prefill node is configured. `on_token` sees each token as it is sampled (return false to
+/// stop). The timing covers the whole turn.
+pub fn run_turn(
+    engine: &Engine,
+    conv: &mut Conversation,
+    remote: Option<&mut RemotePrefiller>,
+    prompt: &[u32],
+    image: Option<&ImageEmbeds>,
+    params: &GenerateParams,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<(GenerateOutput, TurnTiming)> {
+    let t0 = Instant::now();
+    let mut timing = match remote {
+        Some(r) => r.prefill(engine, conv, prompt, image)?,
+        None => {
+            let t = Instant::now();
+            conv.prefill_local(engine, prompt, image)?;
+            let s = t.elapsed().as_secs_f64();
+            TurnTiming {
+                route: Route::Local,
+                reason: "no prefill node configured".into(),
+                prompt_tokens: prompt.len(),
+                prefill_tokens: prompt.len(),
+                context_tokens: conv.session().tokens(),
+                local_prefill_s: Some(s),
+                prefill_s: s,
+                ..Default::default()
+            }
+        }
+    };
+    let mut first: Option<f64> = None;
+    let out = conv.generate(engine, params, |tok| {
+        first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+        on_token(tok)
+    })?;
+    timing.first_token_s = first;
+    timing.decode_tokens = out.tokens.len();
+    timing.decode_tok_per_s = (!out.tokens.is_empty()).then(|| out.tokens_per_second());
+    Ok((out, timing))
+}

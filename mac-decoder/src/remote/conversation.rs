@@ -1,0 +1,198 @@
+//! A [`Conversation`]: a decoder [`Session`] plus every token it holds, and what the prefill node
+//! keeps of it.
+//!
+//! After a remote prefill the node keeps the session's prefix (all tokens so far); the decoder
+//! then generates tokens locally, which the node has not seen. The next remote turn names the
+//! node's prefix as `base` and sends everything after it — the generated tokens and the new
+//! prompt — so the node prefills only those. The returned delta starts at the node's prefix,
+//! so the decoder *rewinds* its session to that point: the MLA latent rows are cut back to the
+//! prefix, and the KDA recurrent and conv states need no rewind because the delta carries them
+//! whole (the full state after every token). The rows and states the decoder computed for its
+//! own generated tokens are replaced by the node's.
+
+use anyhow::{bail, Context, Result};
+use k3_protocol::config::TextConfig;
+use k3_protocol::handoff::token_prefix_hash;
+use k3_protocol::wire::{BasePrefix, SessionId};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops;
+
+use crate::decode::{Engine, GenerateOutput, GenerateParams, ImageEmbeds, Session};
+use crate::model::{LayerCache, MlaCache, ModelCache};
+use crate::remote::staged::{StagedDelta, StagedLayer};
+
+/// What the prefill node holds for this conversation.
+pub(crate) struct RemotePrefix {
+    pub(crate) tokens: usize,
+    pub(crate) hash: String,
+}
+
+/// A remote request's plan: what to send, and where the delta will start.
+pub(crate) struct RemotePlan {
+    pub(crate) base: Option<BasePrefix>,
+    /// Tokens to prefill remotely: the conversation after the node's prefix, then the new ones.
+    pub(crate) tokens: Vec<u32>,
+    /// Offset of the new tokens inside `tokens` (image positions shift by it).
+    pub(crate) new_offset: usize,
+}
+
+/// A decoder session with its token history and its prefix on the prefill node.
+pub struct Conversation {
+    session: Session,
+    history: Vec<u32>,
+    id: SessionId,
+    pub(crate) remote: Option<RemotePrefix>,
+    /// The session no longer matches `history` (a decode step failed half-way).
+    broken: bool,
+}
+
+impl Conversation {
+    pub fn new(engine: &Engine) -> Result<Conversation> {
+        Ok(Conversation { session: engine.new_session()?, history: Vec::new(), id: SessionId::random(), remote: None, broken: false })
+    }
+
+    /// The decoder session (its caches and last logits).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Every token the session holds, prompts and generated ones.
+    pub fn tokens(&self) -> &[u32] {
+        &self.history
+    }
+
+    /// The id the prefill node knows this conversation by.
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+
+    /// Tokens of this conversation the prefill node holds (0 when none).
+    pub fn remote_prefix_tokens(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.tokens)
+    }
+
+    pub fn last_logits(&self) -> Option<&[f32]> {
+        self.session.last_logits()
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.broken || self.history.len() != self.session.tokens() {
+            bail!(
+                "conversation out of step: {} tokens recorded, the session holds {} (a decode step failed earlier; start a new conversation)",
+                self.history.len(),
+                self.session.tokens()
+            );
+        }
+        Ok(())
+    }
+
+    /// Prefills `tokens` locally (after everything the session holds).
+    pub fn prefill_local(&mut self, engine: &Engine, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<Vec<f32>> {
+        self.check()?;
+        let before = self.session.tokens();
+        let r = engine.prefill_local(&mut self.session, tokens, image);
+        match &r {
+            Ok(_) => self.history.extend_from_slice(tokens),
+            Err(_) if self.session.tokens() != before => self.broken = true,
+            Err(_) => {}
+        }
+        r
+    }
+
+    /// The decode loop ([`Engine::generate`]); every emitted token joins the history.
+    pub fn generate(&mut self, engine: &Engine, params: &GenerateParams, mut on_token: impl FnMut(u32) -> bool) -> Result<GenerateOutput> {
+        self.check()?;
+        let before = self.session.tokens();
+        let mut emitted = Vec::new();
+        let r = engine.generate(&mut self.session, params, |t| {
+            emitted.push(t);
+            on_token(t)
+        });
+        // Every emitted token is fed, except when a step failed half-way.
+        let fed = self.session.tokens() - before;
+        if fed <= emitted.len() {
+            self.history.extend_from_slice(&emitted[..fed]);
+        } else {
+            self.broken = true;
+        }
+        r
+    }
+
+    /// What to send for `new` tokens. Refuses (Err) when the resent part holds media
+    /// placeholders: their image embeddings are not kept, so only a local prefill is correct.
+    pub(crate) fn plan_remote(&self, new: &[u32], media_token: u32) -> Result<RemotePlan> {
+        self.check()?;
+        let from = self.remote.as_ref().map_or(0, |r| r.tokens);
+        let resend = &self.history[from..];
+        if resend.contains(&media_token) {
+            bail!("the {} tokens the prefill node has not seen hold an image placeholder whose embeddings are gone", resend.len());
+        }
+        let base = self.remote.as_ref().map(|r| BasePrefix { tokens: r.tokens as u64, token_prefix_hash: r.hash.clone() });
+        let mut tokens = resend.to_vec();
+        tokens.extend_from_slice(new);
+        Ok(RemotePlan { base, tokens, new_offset: resend.len() })
+    }
+
+    /// Forgets the node's prefix (it said it no longer holds it).
+    pub(crate) fn drop_remote(&mut self) {
+        self.remote = None;
+    }
+
+    /// Installs a verified remote delta: the session rewound to the node's prefix, the staged
+    /// layers on top, `logits` as the last logits. Builds the whole new cache before touching the
+    /// session, so an error leaves the conversation as it was.
+    pub(crate) fn commit_remote(&mut self, c: &TextConfig, plan: &RemotePlan, new: &[u32], staged: StagedDelta, logits: Vec<f32>) -> Result<()> {
+        self.check()?;
+        if logits.len() != c.vocab_size {
+            bail!("last logits hold {} values, the vocabulary has {}", logits.len(), c.vocab_size);
+        }
+        if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+            bail!("last logits hold a non-finite value at index {i}");
+        }
+        let base = plan.base.as_ref().map_or(0, |b| b.tokens as usize);
+        if staged.rows() != plan.tokens.len() {
+            bail!("the delta holds {} rows, {} tokens were sent", staged.rows(), plan.tokens.len());
+        }
+        if base > 0 && self.remote.as_ref().map(|r| r.tokens) != Some(base) {
+            bail!("internal: the delta starts at token {base}, which is not the prefix this conversation recorded");
+        }
+        let cache = self.session.cache();
+        let layers = staged.into_layers()?;
+        let mut out = Vec::with_capacity(layers.len());
+        for (l, (old, new_layer)) in cache.layers.iter().zip(layers).enumerate() {
+            out.push(match (old, new_layer) {
+                (LayerCache::Kda(_), StagedLayer::Kda(k)) => LayerCache::Kda(k),
+                (LayerCache::Mla(m), StagedLayer::Mla(rows)) => {
+                    let prefix = match (&m.latent, base) {
+                        (_, 0) | (None, _) => None,
+                        (Some(a), b) => {
+                            let have = a.shape()[0] as usize;
+                            if have < b {
+                                bail!("layer {l}: the session holds {have} latent rows, fewer than the node's prefix of {b}");
+                            }
+                            Some(if have == b { a.clone() } else { a.try_index(0..b as i32).with_context(|| format!("layer {l}: cutting the latent rows"))? })
+                        }
+                    };
+                    let latent = match (prefix, rows) {
+                        (None, r) => r,
+                        (Some(p), None) => Some(p),
+                        (Some(p), Some(r)) => Some(ops::concatenate(&[&p, &r], 0).with_context(|| format!("layer {l}: appending latent rows"))?),
+                    };
+                    LayerCache::Mla(MlaCache { latent, width: m.width })
+                }
+                _ => bail!("layer {l}: the delta's layer kind differs from the session's"),
+            });
+        }
+        let new_cache = ModelCache { layers: out, tokens: base + plan.tokens.len() };
+        mlx_rs::transforms::eval(new_cache.arrays()).context("evaluating the ingested state")?;
+        // Commit.
+        *self.session.cache_mut() = new_cache;
+        self.session.set_last_logits(Some(logits));
+        self.history.truncate(base);
+        self.history.extend_from_slice(&plan.tokens[..plan.new_offset.min(plan.tokens.len())]);
+        self.history.extend_from_slice(new);
+        debug_assert_eq!(self.history.len(), self.session.tokens());
+        self.remote = Some(RemotePrefix { tokens: self.history.len(), hash: token_prefix_hash(&self.history) });
+        Ok(())
+    }
+}
