@@ -2,7 +2,7 @@
 //! yields their requests, [`LayerSender`] streams each layer's state as soon as it exists.
 //!
 //! ```no_run
-//! # async fn serve(cfg: k3_protocol::transport::NodeConfig, layout_for: impl Fn(usize) -> k3_protocol::wire::StateLayout) -> Result<(), k3_protocol::transport::TransferError> {
+//! # async fn serve(cfg: k3_protocol::transport::NodeConfig, layout_for: fn(usize) -> k3_protocol::wire::StateLayout) -> Result<(), k3_protocol::transport::TransferError> {
 //! use k3_protocol::transport::PrefillServer;
 //! let server = PrefillServer::bind("127.0.0.1:7433".parse().unwrap(), cfg)?;
 //! while let Some(conn) = server.accept().await {
@@ -391,6 +391,7 @@ impl IncomingRequest {
             send_wait: Duration::ZERO,
             delayed: None,
             started: Instant::now(),
+            aborted: false,
         })
     }
 }
@@ -469,6 +470,8 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
                 let _ = s.write_all(&payload[..payload.len() / 2]).await;
                 let _ = s.finish();
                 tracing::warn!("test hook: truncated a chunk frame and ended the stream");
+                // Keep taking jobs (and dropping them) as if the stream were fine.
+                while let Some(_job) = jobs.lock().await.recv().await {}
                 return;
             }
             Fault::Oversize => {
@@ -505,6 +508,7 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
             code: ErrorCode::Cancelled,
             message: format!("the peer stopped a data stream (code {code})"),
         }),
+        Ok(Err(quinn::StoppedError::ConnectionLost(e))) => cx.shared.fail(connection_lost(cx.peer, &e)),
         Ok(Err(e)) => cx.shared.fail(TransferError::Local(format!("data stream to {}: {e}", cx.peer))),
         Err(_) => cx.shared.fail(TransferError::Stalled {
             peer: cx.peer,
@@ -573,6 +577,7 @@ pub struct LayerSender {
     send_wait: Duration,
     delayed: Option<Job>,
     started: Instant,
+    aborted: bool,
 }
 
 impl Drop for LayerSender {
@@ -647,8 +652,28 @@ impl LayerSender {
     }
 
     /// Queues one layer's state (exactly once per layer, any order; layer-major order keeps the
-    /// receiver's memory low). Waits while the network is behind.
-    pub async fn send_layer(&mut self, layer: usize, state: LayerState) -> Result<(), TransferError> {
+    /// receiver's memory low). Waits while the network is behind. On an error of this side
+    /// (a stalled peer, a bad layer) the decoder is sent an Abort naming it.
+    ///
+    /// Takes the state by value or as an `Arc` (to keep a copy for the session store without
+    /// cloning the data).
+    pub async fn send_layer(&mut self, layer: usize, state: impl Into<Arc<LayerState>>) -> Result<(), TransferError> {
+        let r = self.send_layer_inner(layer, state.into()).await;
+        if let Err(e) = &r {
+            self.abort_on(e).await;
+        }
+        r
+    }
+
+    /// Tells the decoder why the transfer stops, unless the decoder or the link ended it.
+    async fn abort_on(&mut self, e: &TransferError) {
+        match e {
+            TransferError::Aborted { .. } | TransferError::ConnectionLost { .. } => {}
+            _ => self.abort_inner(e.code(), &e.to_string()).await,
+        }
+    }
+
+    async fn send_layer_inner(&mut self, layer: usize, state: Arc<LayerState>) -> Result<(), TransferError> {
         self.check()?;
         let Some(ly) = self.layout.layers.get(layer).copied() else {
             return Err(TransferError::Local(format!("send_layer: layer {layer} is past the layout's {} layers", self.layout.layers.len())));
@@ -658,7 +683,6 @@ impl LayerSender {
         }
         ly.check_state(&state).map_err(|m| TransferError::Local(format!("send_layer: layer {layer}: {m}")))?;
         self.sent[layer] = true;
-        let state = Arc::new(state);
         for spec in plan_layer(layer as u32, &ly, self.chunk_bytes) {
             let seq = self.seq;
             self.seq += 1;
@@ -709,12 +733,18 @@ impl LayerSender {
     /// Waits until every chunk is delivered, then sends `Done`. `timing` carries the
     /// executor's compute and weight-wait times; the transport fills in bytes, chunks,
     /// send waits and the total.
-    pub async fn finish(mut self, mut timing: Timing, last_logits: Option<Vec<f32>>) -> Result<Timing, TransferError> {
+    pub async fn finish(mut self, timing: Timing, last_logits: Option<Vec<f32>>) -> Result<Timing, TransferError> {
+        let r = self.finish_inner(timing, last_logits).await;
+        if let Err(e) = &r {
+            self.abort_on(e).await;
+        }
+        r
+    }
+
+    async fn finish_inner(&mut self, mut timing: Timing, last_logits: Option<Vec<f32>>) -> Result<Timing, TransferError> {
         self.check()?;
         if let Some(l) = self.sent.iter().position(|s| !s) {
-            let e = format!("finish: layer {l} was never sent");
-            self.abort_inner(ErrorCode::Internal, &e).await;
-            return Err(TransferError::Local(e));
+            return Err(TransferError::Local(format!("finish: layer {l} was never sent")));
         }
         if let Some(d) = self.delayed.take() {
             self.push(d).await?;
@@ -763,6 +793,10 @@ impl LayerSender {
     }
 
     async fn abort_inner(&mut self, code: ErrorCode, message: &str) {
+        if self.aborted {
+            return;
+        }
+        self.aborted = true;
         let _ = self.hb_stop.send(true);
         let mut s = self.ctrl.lock().await;
         let _ = write_message(&mut s, self.peer, &Message::Abort(ErrorMsg { code, message: message.to_string() })).await;
