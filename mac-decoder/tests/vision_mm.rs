@@ -98,7 +98,7 @@ mod mlx {
     }
 
     fn embeds(f: &[ImageFeatures]) -> ImageEmbeds {
-        ImageEmbeds { rows: f.iter().map(|x| x.rows).sum(), data: f.iter().flat_map(|x| x.data.iter().copied()).collect() }
+        mac_decoder::vision::image_embeds(f)
     }
 
     #[test]

@@ -154,6 +154,16 @@ pub fn encode_image_bytes(model: &dyn VisionEncoder, bytes: &[u8]) -> Result<Ima
     model.encode(&img)
 }
 
+/// The rows of several images, concatenated in prompt order, as the MLX engine takes them
+/// (row k replaces the k-th `<|media_pad|>` of the expanded prompt).
+#[cfg(feature = "mlx")]
+pub fn image_embeds(features: &[ImageFeatures]) -> crate::decode::ImageEmbeds {
+    crate::decode::ImageEmbeds {
+        rows: features.iter().map(|f| f.rows).sum(),
+        data: features.iter().flat_map(|f| f.data.iter().copied()).collect(),
+    }
+}
+
 /// The MLX tower and projector as a [`VisionEncoder`].
 #[cfg(feature = "mlx")]
 pub struct MlxVisionEncoder {
