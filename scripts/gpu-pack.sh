@@ -19,5 +19,5 @@ for line in sys.stdin:
         print("packed", name)
 '
 strip .devbin/k3-prefill .devbin/cuda_* 2>/dev/null || true
-[ -f scripts/peer_bench.py ] && cp scripts/peer_bench.py .devbin/ || true
+cp .whl/fla_core-*.whl .devbin/ 2>/dev/null || echo "no fla-core wheel in .whl/ (pip download fla-core there for the peer bench)"
 du -sh .devbin

@@ -76,9 +76,20 @@ pub struct Args {
     /// Projection: skip the transfer-alone and compute-alone runs.
     #[arg(long)]
     pub overlapped_only: bool,
+    /// Kernel mode: time the KDA prefill (fp32) and MLA attention (bf16) kernels alone on K3
+    /// shapes (96 heads; KDA 128/128, MLA qk 192 / v 128), one JSON object per length
+    /// (scripts/peer_bench.py compares them with fla and PyTorch SDPA).
+    #[arg(long)]
+    pub kernels: bool,
+    /// Kernel mode: timed repetitions (median reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if args.kernels {
+        return kernels(&args);
+    }
     if args.project {
         return project(&args);
     }
@@ -535,4 +546,93 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     }
     eprintln!("{mode:?} run at {t} tokens: {wall:.3} s");
     Ok((wall, per, bytes, fill))
+}
+
+// ---- kernel mode ---------------------------------------------------------------------------
+
+#[derive(Serialize)]
+struct KernelRow {
+    tokens: usize,
+    kda_ms: f64,
+    kda_tflops: f64,
+    mla_ms: f64,
+    mla_tflops: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn kernels(args: &Args) -> Result<()> {
+    use crate::backend::KdaDims;
+    use crate::cuda::kernels as kk;
+    let b = CudaBackend::new(Precision::Bf16)?;
+    let g = b.gpu.clone();
+    let (h, d) = (96usize, 128usize);
+    let (dqk, dv) = (192usize, 128usize);
+    let kd = KdaDims { heads: h, head_dim: d };
+    let mut rows = Vec::new();
+    let rnd = |n: usize, seed: u64, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n).map(|i| lo + (hi - lo) * ((((i as u64) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32)).collect()
+    };
+    for &t in &args.tokens {
+        // KDA, fp32
+        let c = h * d;
+        let mut q = b.upload(&rnd(t * c, 1, -1.0, 1.0), t, c)?;
+        let mut k = b.upload(&rnd(t * c, 2, -1.0, 1.0), t, c)?;
+        b.l2_norm_heads(&mut q, d, 1e-6, 1.0 / (d as f32).sqrt())?;
+        b.l2_norm_heads(&mut k, d, 1e-6, 1.0)?;
+        let v = b.upload(&rnd(t * c, 3, -1.0, 1.0), t, c)?;
+        let gg = b.upload(&rnd(t * c, 4, -5.0, 0.0), t, c)?;
+        let beta = b.upload(&rnd(t * h, 5, 0.0, 1.0), t, h)?;
+        let mut times = Vec::new();
+        for rep in 0..=args.reps {
+            let mut s = b.zeros(h, d * d)?;
+            let e0 = g.event()?;
+            let e1 = g.event()?;
+            e0.record(g.stream())?;
+            let o = b.kda_chunked(&q, &k, &v, &gg, &beta, &mut s, kd, 64)?;
+            e1.record(g.stream())?;
+            e1.sync()?;
+            drop(o);
+            if rep > 0 {
+                times.push(e0.ms_to(&e1)? as f64);
+            }
+        }
+        drop((q, k, v, gg, beta));
+        let kda_ms = median(times);
+        // chunk products only (the same count layer_flops uses)
+        let per_chunk = 2.0 * (64.0 * 65.0 / 2.0) * d as f64 * 2.0 + 64.0 * 64.0 * 2.0 * d as f64 + 2.0 * 64.0 * (d * d) as f64 * 3.0 + 64.0 * 64.0 * d as f64;
+        let kflops = (t as f64 / 64.0).ceil() * h as f64 * per_chunk;
+        // MLA, bf16 flash kernel on packed head-major inputs
+        let qf = b.upload(&rnd(t * h * dqk, 6, -1.0, 1.0), t, h * dqk)?;
+        let kvf = b.upload(&rnd(t * h * (128 + dv), 7, -1.0, 1.0), t, h * (128 + dv))?;
+        let kpe = b.upload(&rnd(t * 64, 8, -1.0, 1.0), t, 64)?;
+        let qb = g.alloc(t * h * dqk * 2)?;
+        let kb = g.alloc(t * h * dqk * 2)?;
+        let vb = g.alloc(t * h * dv * 2)?;
+        kk::mla_pack_q(&g, qf.ptr(), h * dqk, qb.ptr, t, h, dqk, dv)?;
+        kk::mla_pack_kv(&g, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, kb.ptr, vb.ptr, t, h, 128, 64, dv)?;
+        drop((qf, kvf, kpe));
+        let out = b.empty(t, h * dv)?;
+        let mut times = Vec::new();
+        for rep in 0..=args.reps {
+            let e0 = g.event()?;
+            let e1 = g.event()?;
+            e0.record(g.stream())?;
+            kk::mla_attn_bf16(&g, qb.ptr, kb.ptr, vb.ptr, out.ptr(), h * dv, t, 0, h, dqk, dv, 1.0 / (dqk as f32).sqrt())?;
+            e1.record(g.stream())?;
+            e1.sync()?;
+            if rep > 0 {
+                times.push(e0.ms_to(&e1)? as f64);
+            }
+        }
+        let mla_ms = median(times);
+        let mflops = 2.0 * (t as f64 * (t as f64 + 1.0) / 2.0) * (h * (dqk + dv)) as f64;
+        let r = KernelRow { tokens: t, kda_ms, kda_tflops: kflops / kda_ms / 1e9, mla_ms, mla_tflops: mflops / mla_ms / 1e9 };
+        println!("{}", serde_json::to_string(&r)?);
+        rows.push(r);
+    }
+    Ok(())
 }
