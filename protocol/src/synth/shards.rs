@@ -15,8 +15,11 @@ use super::weights::{self, Unit};
 use super::SynthError;
 use crate::tensors::TensorSpec;
 
-/// Output bytes per generation batch (the pipeline holds at most about three).
-const BATCH_BYTES: usize = 96 << 20;
+/// Output bytes per generation batch: 8 MiB per rayon thread, at least 32 MiB (the pipeline
+/// holds at most about three batches, so memory stays near 100 MB on a small machine).
+fn batch_bytes() -> usize {
+    (rayon::current_num_threads() * (8 << 20)).max(32 << 20)
+}
 /// Units per batch at most.
 const BATCH_UNITS: usize = 512;
 
@@ -189,11 +192,12 @@ pub fn write_shards(
     let pb = progress_bar(total, show_progress);
     let units = weights::units(specs);
     // Batches of consecutive units, bounded in bytes and count.
+    let batch_limit = batch_bytes();
     let mut batches: Vec<std::ops::Range<usize>> = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (i, u) in units.iter().enumerate() {
         let b = weights::unit_bytes(specs, u);
-        if i > start && (bytes + b > BATCH_BYTES || i - start >= BATCH_UNITS) {
+        if i > start && (bytes + b > batch_limit || i - start >= BATCH_UNITS) {
             batches.push(start..i);
             start = i;
             bytes = 0;
