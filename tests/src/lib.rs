@@ -1,1 +1,191 @@
-//! Helpers for the workspace-level end-to-end tests.
+//! Helpers for the workspace-level end-to-end tests: a prefill node in-process (CPU backend,
+//! loopback QUIC, paired certificates), a decoder engine with its prefill client, synthetic
+//! model variants, references, comparisons, and a log capture for "a clear log line" checks.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cuda_prefiller::cpu::CpuBackend;
+use cuda_prefiller::executor::{self, ExecOptions, LogitsRows, PrefillInput};
+use cuda_prefiller::model::{Model, WeightPolicy};
+use cuda_prefiller::server::{PrefillNode, ServeOptions};
+use k3_protocol::handoff::HandoffState;
+use k3_protocol::synth::{write_model, Overrides, Preset, SynthOptions};
+use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
+use k3_protocol::{Checkpoint, Fingerprint};
+use mac_decoder::decode::{Engine, GenerateParams};
+use mac_decoder::remote::{RemoteOptions, RemotePrefiller};
+
+pub use k3_protocol::testdata::golden_dir;
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+}
+
+/// Timeouts short enough for tests (a dead node is noticed within ~2 s).
+pub fn test_tuning() -> Tuning {
+    Tuning {
+        idle_timeout: Duration::from_secs(2),
+        keep_alive: Duration::from_millis(300),
+        heartbeat: Duration::from_millis(300),
+        inactivity_timeout: Duration::from_secs(10),
+        stall_timeout: Duration::from_secs(5),
+        ..Tuning::default()
+    }
+}
+
+/// A prefill node's and a decoder's configs that pin each other's fresh certificates.
+/// `server_model` / `client_model`: the fingerprints each side announces.
+pub fn paired(server_model: Fingerprint, client_model: Fingerprint) -> (NodeConfig, NodeConfig) {
+    let s = NodeIdentity::generate().expect("server certificate");
+    let c = NodeIdentity::generate().expect("client certificate");
+    let mut server = NodeConfig::new(s.clone(), PeerAuth::pinned(c.fingerprint()), server_model, "cpu");
+    let mut client = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), client_model, "mlx");
+    server.node_name = "e2e-prefill".into();
+    client.node_name = "e2e-decoder".into();
+    server.tuning = test_tuning();
+    client.tuning = test_tuning();
+    (server, client)
+}
+
+pub fn fingerprint_of(dir: &Path) -> Fingerprint {
+    Checkpoint::open(dir).expect("checkpoint opens").fingerprint()
+}
+
+/// The CPU reference model of `dir`, every layer resident.
+pub fn cpu_model(dir: &Path) -> Model<CpuBackend> {
+    let ck = Arc::new(Checkpoint::open(dir).expect("checkpoint opens"));
+    Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).expect("model loads")
+}
+
+/// A prefill node serving `dir` on the CPU backend, on a loopback port.
+pub fn start_node(dir: &Path, cfg: NodeConfig, opts: ServeOptions) -> PrefillNode {
+    PrefillNode::start(cpu_model(dir), "127.0.0.1:0".parse().unwrap(), cfg, opts).expect("prefill node starts")
+}
+
+/// Remote options for tests: short timeouts, every prompt of at least `min_tokens` goes remote.
+pub fn remote_options(addr: SocketAddr, min_tokens: usize) -> RemoteOptions {
+    let mut o = RemoteOptions::new(addr.to_string());
+    o.min_tokens = min_tokens;
+    o.connect_timeout = Duration::from_secs(2);
+    o.tuning = test_tuning();
+    o.streams = 3;
+    o.chunk_bytes = 16 << 10; // several chunks per layer even for tiny models
+    o
+}
+
+pub fn remote(engine: &Engine, addr: SocketAddr, client: NodeConfig, min_tokens: usize) -> RemotePrefiller {
+    RemotePrefiller::with_node_config(engine, remote_options(addr, min_tokens), client).expect("prefill client")
+}
+
+/// A synthetic model (tiny preset + `edit` on the overrides) in a temp dir.
+pub fn synth(seed: u64, edit: impl FnOnce(&mut Overrides)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut o = SynthOptions::new(Preset::Tiny);
+    o.seed = seed;
+    edit(&mut o.overrides);
+    write_model(dir.path(), &o).expect("synthetic model");
+    dir
+}
+
+/// Deterministic token ids in [0, limit).
+pub fn prompt(seed: u64, n: usize, limit: u32) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % limit as u64) as u32
+        })
+        .collect()
+}
+
+/// Local prefill of `prompt` then `n` greedy tokens: (tokens, logits after the prefill).
+pub fn local_greedy(engine: &Engine, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut s = engine.new_session().expect("session");
+    let logits = engine.prefill_local(&mut s, prompt, None).expect("local prefill");
+    let out = engine.generate(&mut s, &GenerateParams::greedy(n), |_| true).expect("generate");
+    (out.tokens, logits)
+}
+
+/// The CPU reference executor's one-shot prefill: (state, last logits row).
+pub fn cpu_prefill(model: &Model<CpuBackend>, tokens: &[u32]) -> (HandoffState, Vec<f32>) {
+    let mut st = HandoffState::empty(&model.cfg);
+    let opts = ExecOptions { logits: LogitsRows::Last, ..Default::default() };
+    let out = executor::prefill(model, &mut st, PrefillInput::tokens(tokens), &opts, |_| Ok(())).expect("cpu prefill");
+    (st, out.logits)
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += ((x - y) as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Top-1 minus top-2 of a logits row (how safe a greedy comparison is).
+pub fn top_margin(row: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
+/// Collects what `tracing` writes on the current thread while a guard is held.
+#[derive(Clone, Default)]
+pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
+
+impl LogCapture {
+    /// Captures this thread's log lines (info and up) until the guard drops.
+    pub fn start() -> (LogCapture, tracing::subscriber::DefaultGuard) {
+        let cap = LogCapture::default();
+        let sub = tracing_subscriber::fmt().with_writer(cap.clone()).with_ansi(false).with_max_level(tracing::Level::INFO).finish();
+        let guard = tracing::subscriber::set_default(sub);
+        (cap, guard)
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl Write for LogCapture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogCapture {
+    type Writer = LogCapture;
+    fn make_writer(&'a self) -> LogCapture {
+        self.clone()
+    }
+}
+
+/// `target/<profile>/<name>` next to this test binary (`target/<profile>/deps/<test>`).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
+    dir.join(name)
+}
