@@ -187,6 +187,10 @@ impl Engine {
     pub fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
     }
+    /// Weight bytes one decode step reads (see [`K3Text::decode_weight_bytes`]).
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.model.decode_weight_bytes()
+    }
     /// The `eos_token_id` (`<|end_of_msg|>` in K3).
     pub fn eos_token(&self) -> u32 {
         self.config.eos_token_id

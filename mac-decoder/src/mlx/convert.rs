@@ -28,9 +28,10 @@ pub fn array_i32(data: &[i32], shape: &[usize], what: &str) -> Result<Array> {
     Ok(Array::from_slice(data, &dims(shape, what)?))
 }
 
-/// Evaluates `a` and copies it out as f32 (widening BF16/F16 exactly).
+/// Evaluates `a` and copies it out as f32 row-major (widening BF16/F16 exactly; views are
+/// made contiguous first).
 pub fn to_vec_f32(a: &Array) -> Result<Vec<f32>> {
-    let a = if a.dtype() == Dtype::Float32 { a.clone() } else { a.as_dtype(Dtype::Float32)? };
+    let a = if a.dtype() == Dtype::Float32 { a.contiguous()? } else { a.as_dtype(Dtype::Float32)?.contiguous()? };
     a.eval()?;
     Ok(a.try_as_slice::<f32>().map_err(|e| anyhow::anyhow!("reading an MLX array: {e:?}"))?.to_vec())
 }

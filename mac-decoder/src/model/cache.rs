@@ -3,6 +3,7 @@
 //! (`c_kv` post-norm then raw `k_pe`: 576 values per token in K3, never the expanded K/V).
 
 use anyhow::Result;
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array};
 
 use k3_protocol::config::{AttnKind, TextConfig};
@@ -36,12 +37,25 @@ impl KdaCache {
 }
 
 /// MLA layer state: the latent rows of every token seen, `[rows, kv_lora_rank + qk_rope_head_dim]`.
+///
+/// Appending concatenates (a copy of the layer's rows per call); a buffer with spare capacity
+/// would avoid it for long contexts, but code outside this module builds the struct directly
+/// (`mac_decoder::remote`), so the representation stays this plain pair for now.
 pub struct MlaCache {
     pub latent: Option<Array>,
     pub width: usize,
 }
 
 impl MlaCache {
+    pub fn new(width: usize) -> Self {
+        MlaCache { latent: None, width }
+    }
+
+    /// A cache holding `latent` `[rows, width]` (or nothing).
+    pub fn from_rows(width: usize, latent: Option<Array>) -> Self {
+        MlaCache { latent, width }
+    }
+
     pub fn rows(&self) -> usize {
         self.latent.as_ref().map_or(0, |a| a.shape()[0] as usize)
     }
@@ -54,6 +68,14 @@ impl MlaCache {
         };
         self.latent = Some(all.clone());
         Ok(all)
+    }
+
+    /// Keeps the first `rows` rows (a session rewound to a shorter prefix).
+    pub fn truncate(&mut self, rows: usize) -> Result<()> {
+        if rows < self.rows() {
+            self.latent = if rows == 0 { None } else { Some(self.latent.as_ref().expect("rows > 0").try_index(0..rows as i32)?) };
+        }
+        Ok(())
     }
 }
 
@@ -77,7 +99,7 @@ impl ModelCache {
             .map(|s| {
                 Ok(match s.attn {
                     AttnKind::Kda => LayerCache::Kda(KdaCache::zeros(c)?),
-                    AttnKind::Mla => LayerCache::Mla(MlaCache { latent: None, width: c.mla_latent_width() }),
+                    AttnKind::Mla => LayerCache::Mla(MlaCache::new(c.mla_latent_width())),
                 })
             })
             .collect::<Result<_>>()?;
@@ -97,8 +119,14 @@ impl ModelCache {
         v
     }
 
-    /// Bytes held by the cache.
+    /// Bytes of state the cache holds (KDA states, conv windows, MLA rows in use).
     pub fn nbytes(&self) -> usize {
-        self.arrays().iter().map(|a| a.nbytes()).sum()
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Kda(k) => k.arrays().iter().map(|a| a.nbytes()).sum::<usize>(),
+                LayerCache::Mla(m) => m.rows() * m.width * 4,
+            })
+            .sum()
     }
 }

@@ -635,4 +635,18 @@ impl K3Text {
     pub fn weight_bytes(&self) -> usize {
         self.arrays().iter().map(|a| a.nbytes()).sum()
     }
+
+    /// Weight bytes one decode step reads: everything except the embedding table (one row is
+    /// read) and the routed experts that are not selected (`top_k` of `E` per MoE layer).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let vocab = self.config.vocab_size.max(1);
+        let mut n = self.weight_bytes() - self.embed.nbytes() + self.embed.nbytes() / vocab;
+        for l in &self.layers {
+            if let Ffn::Moe(m) = &l.ffn {
+                let all = m.w1.nbytes() + m.w2.nbytes() + m.w3.nbytes();
+                n = n - all + all * self.config.num_experts_per_token / self.config.num_experts.max(1);
+            }
+        }
+        n
+    }
 }
