@@ -297,3 +297,22 @@ fn real_k3_widths_give_k3_per_expert_and_per_token_sizes() {
     assert_eq!(d.checkpoint_bytes, 1_560_860_324_864);
     assert_eq!(specs.iter().filter(|s| s.dtype == DType::U8).count(), 92 * 896 * 6);
 }
+
+#[test]
+fn a_tensor_does_not_depend_on_the_rest_of_the_model() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut opts = SynthOptions::new(Preset::Tiny);
+    opts.seed = 5;
+    opts.tokenizer = false;
+    write_model(a.path(), &opts).unwrap();
+    opts.overrides.layers = Some(5);
+    write_model(b.path(), &opts).unwrap();
+    let (ca, cb) = (Checkpoint::open(a.path()).unwrap(), Checkpoint::open(b.path()).unwrap());
+    for l in 0..3 {
+        for name in all_tensors(cb.config()).iter().map(|s| &s.name).filter(|n| n.contains(&format!("layers.{l}."))) {
+            assert_eq!(ca.tensor(name).unwrap().bytes, cb.tensor(name).unwrap().bytes, "{name}");
+        }
+    }
+    let emb = "language_model.model.embed_tokens.weight";
+    assert_eq!(ca.tensor(emb).unwrap().bytes, cb.tensor(emb).unwrap().bytes);
+}
