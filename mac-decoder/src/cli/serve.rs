@@ -1,9 +1,100 @@
-//! `k3-decode serve`.
+//! `k3-decode serve`: the OpenAI-compatible HTTP server (see `docs/chat-and-server.md`).
 
-/// Arguments of `k3-decode serve` (to be filled in by the owner of this command).
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Arguments of `k3-decode serve`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Checkpoint directory (release layout, with `tiktoken.model` and `tokenizer_config.json`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prefill node `HOST:PORT` for long prompts (not wired into the server yet: prompts are
+    /// prefilled locally and a warning is logged).
+    #[arg(long)]
+    pub prefill_node: Option<String>,
+    /// Address to listen on. Loopback by default; anything else must be asked for.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Require `Authorization: Bearer <KEY>` on `/v1/*` (also read from `K3_API_KEY`).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Model id served (default: the model directory's name).
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Session states held for prefix reuse (LRU).
+    #[arg(long, default_value_t = 16)]
+    pub max_sessions: usize,
+    /// Bytes of session state held at most.
+    #[arg(long, default_value_t = 8 << 30)]
+    pub max_session_bytes: usize,
+    /// Do not keep turn-boundary checkpoints (less memory; reuse then needs the exact reply).
+    #[arg(long)]
+    pub no_checkpoints: bool,
+    /// Context limit in tokens (0: the config's `max_position_embeddings`).
+    #[arg(long, default_value_t = 0)]
+    pub max_context: usize,
+    /// Default `max_tokens` of a chat completion.
+    #[arg(long, default_value_t = 4096)]
+    pub default_max_tokens: usize,
+    /// Tokens per local-prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Plain loopback to the prefill node without certificate pinning (development only).
+    #[arg(long)]
+    pub insecure_dev: bool,
+}
 
+#[cfg(not(feature = "mlx"))]
 pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("k3-decode serve is not implemented yet")
+    anyhow::bail!("k3-decode was built without the `mlx` feature; rebuild with default features to serve a model")
+}
+
+#[cfg(feature = "mlx")]
+pub fn run(args: Args) -> anyhow::Result<()> {
+    use std::sync::Arc;
+
+    use anyhow::Context;
+
+    use crate::decode::EngineOptions;
+    use crate::server::mlx_engine::MlxEngine;
+    use crate::server::metrics::Metrics;
+    use crate::server::worker::{EngineHandle, StoreOptions};
+    use crate::server::AppState;
+    use crate::tokenizer::Tokenizer;
+
+    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model).with_context(|| format!("loading the tokenizer of {}", args.model.display()))?);
+    if let Some(node) = &args.prefill_node {
+        tracing::warn!(node, "--prefill-node is not wired into the server yet; prompts are prefilled locally");
+    }
+    if !args.listen.ip().is_loopback() {
+        tracing::warn!(addr = %args.listen, auth = args.api_key.is_some(), "listening beyond loopback");
+    }
+    let metrics = Arc::new(Metrics::new());
+    let dir = args.model.clone();
+    let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) };
+    let max_context = args.max_context;
+    let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
+    let engine = EngineHandle::spawn(move || MlxEngine::load(&dir, opts, max_context), store, metrics.clone())?;
+    if engine.vocab_size < tokenizer.vocab_size() as usize {
+        anyhow::bail!("the tokenizer has {} ids but the model scores only {}", tokenizer.vocab_size(), engine.vocab_size);
+    }
+    let model_id = args
+        .model_id
+        .clone()
+        .unwrap_or_else(|| args.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "k3".into()));
+    let api_key = args.api_key.clone().or_else(|| std::env::var("K3_API_KEY").ok()).filter(|k| !k.is_empty());
+    let mut state = AppState::new(engine, tokenizer, metrics, model_id.clone(), api_key);
+    state.default_chat_max_tokens = args.default_max_tokens;
+    let state = Arc::new(state);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        tracing::info!(addr = %listener.local_addr()?, model = %model_id, "serving the OpenAI API");
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        };
+        crate::server::serve(listener, state, shutdown).await.context("HTTP server")
+    })
 }

@@ -1,0 +1,423 @@
+//! OpenAI request validation and error bodies.
+//!
+//! Bodies are parsed into the order-preserving [`Json`] (tool-call arguments keep the client's
+//! key order) and checked field by field; anything wrong is an [`ApiError`]: an OpenAI-style
+//! `{"error": {message, type, param, code}}` with a 4xx status, never a panic.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+use crate::chat::render::{RenderOptions, THINKING_EFFORTS};
+use crate::chat::Json;
+use crate::sampler::SamplingParams;
+
+/// Chat defaults (spec K3_CHAT §4).
+pub const DEFAULT_TEMPERATURE: f32 = 1.0;
+pub const DEFAULT_TOP_P: f32 = 0.95;
+pub const DEFAULT_EFFORT: &str = "max";
+/// `/v1/completions` default `max_tokens` (OpenAI's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// An OpenAI-style error response.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: param.map(str::to_string), code: None }
+    }
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+    pub fn not_found_model(model: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Incorrect or missing API key (send `Authorization: Bearer <key>`)".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "server_error", param: None, code: None }
+    }
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "server_error", param: None, code: None }
+    }
+    /// The metrics label of this error.
+    pub fn metric_kind(&self) -> &'static str {
+        match (self.status.as_u16(), self.code) {
+            (_, Some(c)) => c,
+            (400, _) => "invalid_request",
+            (401, _) => "unauthorized",
+            (404, _) => "not_found",
+            (s, _) if s >= 500 => "server",
+            _ => "client",
+        }
+    }
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+type R<T> = Result<T, ApiError>;
+
+/// Parses a request body as a JSON object.
+pub fn parse_body(body: &[u8]) -> R<Json> {
+    let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_request("the request body is not UTF-8", None))?;
+    let v = Json::parse(text).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None))?;
+    if v.as_object().is_none() {
+        return Err(ApiError::bad_request("the request body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+fn opt_bool(v: &Json, key: &str) -> R<Option<bool>> {
+    match v.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a boolean"), Some(key))),
+    }
+}
+
+fn opt_num(v: &Json, key: &str) -> R<Option<f64>> {
+    match v.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Int(i)) => Ok(Some(*i as f64)),
+        Some(Json::UInt(u)) => Ok(Some(*u as f64)),
+        Some(Json::Float(f)) => Ok(Some(*f)),
+        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a number"), Some(key))),
+    }
+}
+
+fn opt_int(v: &Json, key: &str) -> R<Option<i64>> {
+    match v.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Int(i)) => Ok(Some(*i)),
+        Some(Json::UInt(_)) => Err(ApiError::bad_request(format!("`{key}` is too large"), Some(key))),
+        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be an integer"), Some(key))),
+    }
+}
+
+fn opt_str<'a>(v: &'a Json, key: &str) -> R<Option<&'a str>> {
+    match v.get(key) {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Str(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a string"), Some(key))),
+    }
+}
+
+/// The request's `model` against the served one (absent is accepted).
+pub fn check_model(v: &Json, served: &str) -> R<String> {
+    match opt_str(v, "model")? {
+        None => Ok(served.to_string()),
+        Some(m) if m == served => Ok(m.to_string()),
+        Some(m) => Err(ApiError::not_found_model(m)),
+    }
+}
+
+/// Settings shared by both endpoints.
+#[derive(Debug, Clone)]
+pub struct GenSettings {
+    pub stream: bool,
+    pub include_usage: bool,
+    /// `None`: the endpoint's default (bounded by the context).
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub return_token_ids: bool,
+}
+
+/// Parses sampling and stream settings, with the given defaults.
+pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64) -> R<GenSettings> {
+    let stream = opt_bool(v, "stream")?.unwrap_or(false);
+    let include_usage = match v.get("stream_options") {
+        None | Some(Json::Null) => false,
+        Some(o @ Json::Object(_)) => opt_bool(o, "include_usage")?.unwrap_or(false),
+        Some(_) => return Err(ApiError::bad_request("`stream_options` must be an object", Some("stream_options"))),
+    };
+    let mut max_tokens = None;
+    for key in ["max_completion_tokens", "max_tokens"] {
+        if let Some(n) = opt_int(v, key)? {
+            if n < 1 {
+                return Err(ApiError::bad_request(format!("`{key}` must be at least 1, got {n}"), Some(key)));
+            }
+            max_tokens = Some(n as usize);
+            break;
+        }
+    }
+    let temperature = opt_num(v, "temperature")?.unwrap_or(DEFAULT_TEMPERATURE as f64);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad_request(format!("`temperature` must be in [0, 2], got {temperature}"), Some("temperature")));
+    }
+    let top_p = opt_num(v, "top_p")?.unwrap_or(default_top_p as f64);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(format!("`top_p` must be in (0, 1], got {top_p}"), Some("top_p")));
+    }
+    let top_k = opt_int(v, "top_k")?.unwrap_or(0);
+    if top_k < 0 {
+        return Err(ApiError::bad_request(format!("`top_k` must be >= 0, got {top_k}"), Some("top_k")));
+    }
+    if let Some(n) = opt_int(v, "n")? {
+        if n != 1 {
+            return Err(ApiError::bad_request(format!("only `n` = 1 is supported, got {n}"), Some("n")));
+        }
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if let Some(p) = opt_num(v, key)? {
+            if !(-2.0..=2.0).contains(&p) {
+                return Err(ApiError::bad_request(format!("`{key}` must be in [-2, 2], got {p}"), Some(key)));
+            }
+            if p != 0.0 {
+                return Err(ApiError::bad_request(format!("`{key}` is not supported (only 0)"), Some(key)));
+            }
+        }
+    }
+    if opt_bool(v, "logprobs")?.unwrap_or(false) {
+        return Err(ApiError::bad_request("`logprobs` is not supported", Some("logprobs")));
+    }
+    let seed = match opt_int(v, "seed")? {
+        Some(s) => s as u64,
+        None => seed_fallback,
+    };
+    let stop = match v.get("stop") {
+        None | Some(Json::Null) => Vec::new(),
+        Some(Json::Str(s)) => vec![s.clone()],
+        Some(Json::Array(a)) => {
+            if a.len() > 4 {
+                return Err(ApiError::bad_request("`stop` holds at most 4 strings", Some("stop")));
+            }
+            a.iter()
+                .map(|s| s.as_str().map(str::to_string).ok_or_else(|| ApiError::bad_request("`stop` must be a string or a list of strings", Some("stop"))))
+                .collect::<R<Vec<_>>>()?
+        }
+        Some(_) => return Err(ApiError::bad_request("`stop` must be a string or a list of strings", Some("stop"))),
+    };
+    let return_token_ids = opt_bool(v, "return_token_ids")?.unwrap_or(false);
+    let sampling = SamplingParams { greedy: temperature == 0.0, temperature: temperature as f32, top_p: top_p as f32, top_k: top_k as usize, seed };
+    sampling.validate().map_err(|e| ApiError::bad_request(e, None))?;
+    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids })
+}
+
+/// A validated chat request: what to render and how to generate.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Json>,
+    pub render: RenderOptions,
+    pub gen: GenSettings,
+}
+
+/// Maps `reasoning_effort` to (thinking, effort). Policy (spec §2.7, §5.2): `none` turns
+/// thinking off; `medium` runs as `high`, `minimal` as `low`, `xhigh` as `max` (the encoder
+/// only knows low/high/max).
+fn effort_policy(e: &str) -> R<(bool, Option<String>)> {
+    let mapped = match e {
+        "none" => return Ok((false, None)),
+        "minimal" => "low",
+        "medium" => "high",
+        "xhigh" => "max",
+        other => other,
+    };
+    if THINKING_EFFORTS.contains(&mapped) {
+        Ok((true, Some(mapped.to_string())))
+    } else {
+        Err(ApiError::bad_request(format!("unsupported reasoning_effort {e:?}; use none, low, medium, high or max"), Some("reasoning_effort")))
+    }
+}
+
+pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatRequest> {
+    let model = check_model(v, served_model)?;
+    let Some(messages) = v.get("messages") else {
+        return Err(ApiError::bad_request("`messages` is required", Some("messages")));
+    };
+    let Some(messages) = messages.as_array() else {
+        return Err(ApiError::bad_request("`messages` must be a list", Some("messages")));
+    };
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` must not be empty", Some("messages")));
+    }
+    let mut msgs = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Some(entries) = m.as_object() else {
+            return Err(ApiError::bad_request(format!("messages[{i}] must be an object"), Some("messages")));
+        };
+        let role = m.get("role").and_then(Json::as_str).ok_or_else(|| ApiError::bad_request(format!("messages[{i}] has no string `role`"), Some("messages")))?;
+        let role = match role {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            other => return Err(ApiError::bad_request(format!("messages[{i}] has an unknown role {other:?}"), Some("messages"))),
+        };
+        if let Some(Json::Array(parts)) = m.get("content") {
+            for p in parts {
+                match p.get("type").and_then(Json::as_str) {
+                    Some("text") => {
+                        if p.get("text").and_then(Json::as_str).is_none() {
+                            return Err(ApiError::bad_request(format!("messages[{i}]: a text part needs a string `text`"), Some("messages")));
+                        }
+                    }
+                    Some("image_url") | Some("image") | Some("input_image") => {
+                        return Err(ApiError::bad_request(format!("messages[{i}]: image inputs are not supported by this server yet"), Some("messages")));
+                    }
+                    other => return Err(ApiError::bad_request(format!("messages[{i}]: unsupported content part type {other:?}"), Some("messages"))),
+                }
+            }
+        }
+        let mut e: Vec<(String, Json)> = entries.to_vec();
+        if let Some(slot) = e.iter_mut().find(|(k, _)| k == "role") {
+            slot.1 = Json::Str(role.to_string());
+        }
+        msgs.push(Json::Object(e));
+    }
+
+    let tools = match v.get("tools") {
+        None | Some(Json::Null) => None,
+        Some(t @ Json::Array(items)) => {
+            for (i, tool) in items.iter().enumerate() {
+                let name = tool.get("function").and_then(|f| f.get("name")).and_then(Json::as_str);
+                if name.is_none_or(str::is_empty) {
+                    return Err(ApiError::bad_request(format!("tools[{i}] needs `function.name`"), Some("tools")));
+                }
+            }
+            Some(t.clone())
+        }
+        Some(_) => return Err(ApiError::bad_request("`tools` must be a list", Some("tools"))),
+    };
+    let has_tools = tools.as_ref().is_some_and(Json::truthy);
+    let tool_choice = match v.get("tool_choice") {
+        None | Some(Json::Null) => None,
+        Some(Json::Str(s)) => match s.as_str() {
+            "auto" => None,
+            "required" if !has_tools => {
+                return Err(ApiError::bad_request("`tool_choice` is \"required\" but the request has no tools", Some("tool_choice")))
+            }
+            "required" => Some(Json::Str(s.clone())),
+            // OpenAI clients often send "none" by default: without tools it says nothing.
+            "none" if !has_tools => None,
+            "none" => Some(Json::Str(s.clone())),
+            other => return Err(ApiError::bad_request(format!("unknown tool_choice {other:?}"), Some("tool_choice"))),
+        },
+        Some(_) => {
+            return Err(ApiError::bad_request("a named tool_choice cannot be expressed in K3's format; use auto, required or none", Some("tool_choice")))
+        }
+    };
+    let response_format = match v.get("response_format") {
+        None | Some(Json::Null) => None,
+        Some(rf @ Json::Object(_)) => match rf.get("type").and_then(Json::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(rf.clone()),
+            Some("json_schema") => {
+                if !rf.get("json_schema").is_some_and(|s| s.as_object().is_some()) {
+                    return Err(ApiError::bad_request("`response_format.json_schema` must be an object", Some("response_format")));
+                }
+                Some(rf.clone())
+            }
+            other => return Err(ApiError::bad_request(format!("unsupported response_format type {other:?}"), Some("response_format"))),
+        },
+        Some(_) => return Err(ApiError::bad_request("`response_format` must be an object", Some("response_format"))),
+    };
+
+    // Thinking: chat_template_kwargs.thinking / enable_thinking, reasoning_effort.
+    let kwargs = v.get("chat_template_kwargs").filter(|k| !k.is_null());
+    if kwargs.is_some_and(|k| k.as_object().is_none()) {
+        return Err(ApiError::bad_request("`chat_template_kwargs` must be an object", Some("chat_template_kwargs")));
+    }
+    let mut thinking = true;
+    let mut effort = Some(DEFAULT_EFFORT.to_string());
+    if let Some(e) = opt_str(v, "reasoning_effort")? {
+        (thinking, effort) = effort_policy(e)?;
+    }
+    if let Some(k) = kwargs {
+        if let Some(e) = opt_str(k, "thinking_effort")? {
+            (thinking, effort) = effort_policy(e)?;
+        }
+        for key in ["thinking", "enable_thinking"] {
+            if let Some(t) = opt_bool(k, key)? {
+                thinking = t;
+            }
+        }
+    }
+    if let Some(t) = opt_bool(v, "enable_thinking")? {
+        thinking = t;
+    }
+    if thinking && effort.is_none() {
+        effort = Some(DEFAULT_EFFORT.to_string());
+    }
+
+    let gen = gen_settings(v, DEFAULT_TOP_P, seed_fallback)?;
+    let render = RenderOptions {
+        tools,
+        tool_choice,
+        response_format,
+        thinking,
+        thinking_effort: effort,
+        add_generation_prompt: true,
+        image_prompts: None,
+        placeholders_in_text: false,
+    };
+    Ok(ChatRequest { model, messages: msgs, render, gen })
+}
+
+/// A validated `/v1/completions` request.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: Prompt,
+    pub gen: GenSettings,
+}
+
+pub fn completion_request(v: &Json, served_model: &str, vocab: usize, seed_fallback: u64) -> R<CompletionRequest> {
+    let model = check_model(v, served_model)?;
+    let ids_of = |a: &[Json]| -> R<Vec<u32>> {
+        a.iter()
+            .map(|x| match x {
+                Json::Int(i) if *i >= 0 && (*i as u64) < vocab as u64 => Ok(*i as u32),
+                _ => Err(ApiError::bad_request(format!("prompt token {x:?} is not an id in [0, {vocab})"), Some("prompt"))),
+            })
+            .collect()
+    };
+    let prompt = match v.get("prompt") {
+        None | Some(Json::Null) => return Err(ApiError::bad_request("`prompt` is required", Some("prompt"))),
+        Some(Json::Str(s)) => Prompt::Text(s.clone()),
+        Some(Json::Array(a)) if a.len() == 1 && a[0].as_str().is_some() => Prompt::Text(a[0].as_str().unwrap_or_default().to_string()),
+        Some(Json::Array(a)) if a.len() == 1 && a[0].as_array().is_some() => Prompt::Ids(ids_of(a[0].as_array().unwrap_or_default())?),
+        Some(Json::Array(a)) if a.iter().all(|x| matches!(x, Json::Int(_) | Json::UInt(_))) => Prompt::Ids(ids_of(a)?),
+        Some(_) => return Err(ApiError::bad_request("`prompt` must be a string, a list of token ids, or a list with one of them", Some("prompt"))),
+    };
+    if opt_bool(v, "echo")?.unwrap_or(false) {
+        return Err(ApiError::bad_request("`echo` is not supported", Some("echo")));
+    }
+    if opt_int(v, "best_of")?.is_some_and(|b| b != 1) {
+        return Err(ApiError::bad_request("only `best_of` = 1 is supported", Some("best_of")));
+    }
+    let gen = gen_settings(v, 1.0, seed_fallback)?;
+    Ok(CompletionRequest { model, prompt, gen })
+}

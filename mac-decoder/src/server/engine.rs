@@ -1,0 +1,163 @@
+//! What the server needs from a model: a small trait, so the HTTP layer, the session store and
+//! the decode loop are tested with a fake engine, and the MLX engine plugs in behind it.
+
+use std::time::Duration;
+
+/// How a prefill ran.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillReport {
+    /// Tokens prefilled by this call.
+    pub tokens: usize,
+    /// Prefilled on the GPU node (else locally).
+    pub remote: bool,
+    pub seconds: f64,
+    /// Hand-off bytes received from the prefill node.
+    pub handoff_bytes: u64,
+    /// Time between the prefill node's last computed layer and the state being usable here
+    /// (the part of the hand-off not hidden behind compute).
+    pub exposed_tail_seconds: f64,
+    /// A remote prefill failed and the tokens were prefilled locally instead.
+    pub fell_back: bool,
+}
+
+/// A model the server can drive. The engine is built on, and only used from, one dedicated
+/// thread (MLX arrays stay on the thread that made them), so it needs neither `Send` nor `Sync`.
+pub trait GenerationEngine: 'static {
+    /// One sequence's state (caches and the logits of its last position).
+    type Session: 'static;
+
+    /// Number of ids the model scores (`lm_head` rows).
+    fn vocab_size(&self) -> usize;
+    /// Longest sequence the model accepts (prompt + generated).
+    fn max_context(&self) -> usize;
+    fn new_session(&mut self) -> anyhow::Result<Self::Session>;
+    /// Feeds `tokens` after what the session holds; afterwards [`Self::logits`] predicts the
+    /// token after the last of them.
+    fn prefill(&mut self, s: &mut Self::Session, tokens: &[u32]) -> anyhow::Result<PrefillReport>;
+    /// Feeds one generated token.
+    fn step(&mut self, s: &mut Self::Session, token: u32) -> anyhow::Result<()>;
+    /// Logits of the next token, if the session has any.
+    fn logits<'a>(&self, s: &'a Self::Session) -> Option<&'a [f32]>;
+    /// Tokens the session holds.
+    fn session_len(&self, s: &Self::Session) -> usize;
+    /// Bytes of state the session holds (for the store's budget).
+    fn session_bytes(&self, s: &Self::Session) -> usize;
+    /// An independent copy of a session (a checkpoint: KDA states cannot be rolled back, so
+    /// reuse after a divergence needs a copy taken before it).
+    fn fork(&mut self, s: &Self::Session) -> anyhow::Result<Self::Session>;
+}
+
+/// A deterministic stand-in model for tests: the next token is a function of every token the
+/// session has consumed, so a wrongly reused or corrupted session changes the output.
+///
+/// `responder(prompt)` gives the whole reply for a prompt; a reply starts after the last
+/// occurrence of `reply_marker` (the generation prompt's ids) in the session. Past the end of
+/// the reply it emits `stop_id`. Without a reply marker in the history (raw completions) the
+/// next token is a hash of the whole history. Logits are one-hot, so greedy and any sampling
+/// agree.
+pub struct FakeEngine {
+    vocab: usize,
+    max_context: usize,
+    reply_marker: Vec<u32>,
+    stop_id: u32,
+    responder: Box<dyn Fn(&[u32]) -> Vec<u32> + Send>,
+    /// Simulated time per prefilled token.
+    pub prefill_delay_per_token: Duration,
+    /// Simulated time per generated token.
+    pub step_delay: Duration,
+}
+
+/// A [`FakeEngine`] session: the tokens consumed and the next-token logits.
+pub struct FakeSession {
+    pub tokens: Vec<u32>,
+    logits: Option<Vec<f32>>,
+}
+
+impl FakeEngine {
+    pub fn new(
+        vocab: usize,
+        max_context: usize,
+        reply_marker: Vec<u32>,
+        stop_id: u32,
+        responder: impl Fn(&[u32]) -> Vec<u32> + Send + 'static,
+    ) -> Self {
+        FakeEngine {
+            vocab,
+            max_context,
+            reply_marker,
+            stop_id,
+            responder: Box::new(responder),
+            prefill_delay_per_token: Duration::ZERO,
+            step_delay: Duration::ZERO,
+        }
+    }
+
+    fn next_token(&self, history: &[u32]) -> u32 {
+        let m = &self.reply_marker;
+        let start = (m.len()..=history.len()).rev().find(|&end| !m.is_empty() && history[end - m.len()..end] == m[..]);
+        match start {
+            Some(start) => {
+                let reply = (self.responder)(&history[..start]);
+                reply.get(history.len() - start).copied().unwrap_or(self.stop_id)
+            }
+            // Outside a chat reply: a deterministic function of the whole history (FNV-1a),
+            // an ordinary id below 256 (a byte token).
+            None => {
+                let h = history.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ t as u64).wrapping_mul(0x100_0000_01b3));
+                (h % 200) as u32 + 40
+            }
+        }
+    }
+
+    fn set_logits(&self, s: &mut FakeSession) {
+        let next = self.next_token(&s.tokens) as usize;
+        let mut l = vec![0.0f32; self.vocab];
+        if next < self.vocab {
+            l[next] = 10.0;
+        }
+        s.logits = Some(l);
+    }
+}
+
+impl GenerationEngine for FakeEngine {
+    type Session = FakeSession;
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn new_session(&mut self) -> anyhow::Result<FakeSession> {
+        Ok(FakeSession { tokens: Vec::new(), logits: None })
+    }
+    fn prefill(&mut self, s: &mut FakeSession, tokens: &[u32]) -> anyhow::Result<PrefillReport> {
+        anyhow::ensure!(!tokens.is_empty(), "prefill of no tokens");
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
+            anyhow::bail!("token {bad} is outside the vocabulary (size {})", self.vocab);
+        }
+        let t0 = std::time::Instant::now();
+        std::thread::sleep(self.prefill_delay_per_token * tokens.len() as u32);
+        s.tokens.extend_from_slice(tokens);
+        self.set_logits(s);
+        Ok(PrefillReport { tokens: tokens.len(), seconds: t0.elapsed().as_secs_f64(), ..Default::default() })
+    }
+    fn step(&mut self, s: &mut FakeSession, token: u32) -> anyhow::Result<()> {
+        std::thread::sleep(self.step_delay);
+        s.tokens.push(token);
+        self.set_logits(s);
+        Ok(())
+    }
+    fn logits<'a>(&self, s: &'a FakeSession) -> Option<&'a [f32]> {
+        s.logits.as_deref()
+    }
+    fn session_len(&self, s: &FakeSession) -> usize {
+        s.tokens.len()
+    }
+    fn session_bytes(&self, s: &FakeSession) -> usize {
+        s.tokens.len() * 4 + 64
+    }
+    fn fork(&mut self, s: &FakeSession) -> anyhow::Result<FakeSession> {
+        Ok(FakeSession { tokens: s.tokens.clone(), logits: s.logits.clone() })
+    }
+}

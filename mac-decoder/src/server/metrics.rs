@@ -1,0 +1,125 @@
+//! Prometheus metrics of the server (`GET /metrics`, OpenMetrics text through prometheus-client).
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub requests: Family<Labels, Counter>,
+    pub errors: Family<Labels, Counter>,
+    pub prompt_tokens: Counter,
+    pub generated_tokens: Counter,
+    /// Prompt tokens served from a held session (not prefilled again).
+    pub reused_tokens: Counter,
+    /// Prefilled tokens by `where` = local | remote.
+    pub prefill_tokens: Family<Labels, Counter>,
+    pub prefill_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    pub handoff_bytes: Counter,
+    pub handoff_exposed_tail_seconds: Counter<f64, AtomicU64>,
+    pub prefill_fallbacks: Counter,
+    pub decode_seconds: Counter<f64, AtomicU64>,
+    /// Decode speed of the last finished request.
+    pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
+    pub sessions_held: Gauge,
+    pub session_bytes: Gauge,
+    pub sessions_evicted: Counter,
+}
+
+fn label(k: &str, v: &str) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let m = Metrics {
+            registry: Mutex::new(Registry::with_prefix("k3")),
+            requests: Family::default(),
+            errors: Family::default(),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            reused_tokens: Counter::default(),
+            prefill_tokens: Family::default(),
+            prefill_seconds: Family::default(),
+            handoff_bytes: Counter::default(),
+            handoff_exposed_tail_seconds: Counter::default(),
+            prefill_fallbacks: Counter::default(),
+            decode_seconds: Counter::default(),
+            decode_tokens_per_second: Gauge::default(),
+            sessions_held: Gauge::default(),
+            session_bytes: Gauge::default(),
+            sessions_evicted: Counter::default(),
+        };
+        {
+            let mut r = m.registry.lock().unwrap_or_else(|e| e.into_inner());
+            r.register("requests", "HTTP requests by endpoint", m.requests.clone());
+            r.register("errors", "Failed requests by kind", m.errors.clone());
+            r.register("prompt_tokens", "Prompt tokens of completed requests", m.prompt_tokens.clone());
+            r.register("generated_tokens", "Tokens generated", m.generated_tokens.clone());
+            r.register("reused_prompt_tokens", "Prompt tokens continued from a held session instead of prefilled", m.reused_tokens.clone());
+            r.register("prefill_tokens", "Tokens prefilled, by where (local or remote)", m.prefill_tokens.clone());
+            r.register("prefill_seconds", "Seconds spent prefilling, by where (local or remote)", m.prefill_seconds.clone());
+            r.register("handoff_bytes", "Hand-off state bytes received from the prefill node", m.handoff_bytes.clone());
+            r.register(
+                "handoff_exposed_tail_seconds",
+                "Hand-off time not hidden behind the prefill node's compute",
+                m.handoff_exposed_tail_seconds.clone(),
+            );
+            r.register("prefill_fallbacks", "Remote prefills that fell back to local prefill", m.prefill_fallbacks.clone());
+            r.register("decode_seconds", "Seconds spent in decode steps", m.decode_seconds.clone());
+            r.register("decode_tokens_per_second", "Decode speed of the last finished request", m.decode_tokens_per_second.clone());
+            r.register("sessions_held", "Session states held for prefix reuse", m.sessions_held.clone());
+            r.register("session_state_bytes", "Bytes of held session state", m.session_bytes.clone());
+            r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
+        }
+        // Make the label sets visible from the start.
+        for w in ["local", "remote"] {
+            let _ = m.prefill_tokens.get_or_create(&label("where", w));
+            let _ = m.prefill_seconds.get_or_create(&label("where", w));
+        }
+        m
+    }
+
+    pub fn request(&self, endpoint: &str) {
+        self.requests.get_or_create(&label("endpoint", endpoint)).inc();
+    }
+
+    pub fn error(&self, kind: &str) {
+        self.errors.get_or_create(&label("kind", kind)).inc();
+    }
+
+    pub fn prefill(&self, remote: bool, tokens: usize, seconds: f64) {
+        let w = if remote { "remote" } else { "local" };
+        self.prefill_tokens.get_or_create(&label("where", w)).inc_by(tokens as u64);
+        self.prefill_seconds.get_or_create(&label("where", w)).inc_by(seconds);
+    }
+
+    /// Tokens prefilled so far, by where.
+    pub fn prefilled(&self, remote: bool) -> u64 {
+        self.prefill_tokens.get_or_create(&label("where", if remote { "remote" } else { "local" })).get()
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        if encode(&mut s, &r).is_err() {
+            s.push_str("# metrics encoding failed\n");
+        }
+        s
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,604 @@
+//! The OpenAI-compatible HTTP server of `k3-decode serve` (axum).
+//!
+//! - `POST /v1/chat/completions`: K3 chat format in ([`crate::chat::render`]), reasoning,
+//!   content and tool calls out ([`crate::chat::parse`]), non-streaming or SSE.
+//! - `POST /v1/completions`: a raw prompt (text with special tokens allowed, or token ids).
+//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//!
+//! Generation runs on one engine thread ([`worker`]) behind the [`engine::GenerationEngine`]
+//! trait; requests queue for it. Held session states give prefix reuse across turns.
+
+pub mod api;
+pub mod engine;
+pub mod metrics;
+#[cfg(feature = "mlx")]
+pub mod mlx_engine;
+pub mod sessions;
+pub mod stop;
+pub mod worker;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json as AxJson, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::chat::parse::{FinishReason, OutputEvent, OutputParser, ToolCall};
+use crate::chat::render::render;
+use crate::tokenizer::Tokenizer;
+use api::{ApiError, GenSettings, Prompt};
+use metrics::Metrics;
+use stop::StopStrings;
+use worker::{EngineHandle, GenEvent, GenFinish, GenJob};
+
+/// Shared server state.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub metrics: Arc<Metrics>,
+    /// The model id clients send.
+    pub model_id: String,
+    /// Required bearer token for `/v1/*`, if set.
+    pub api_key: Option<String>,
+    /// Default `max_tokens` of chat completions (bounded by the context).
+    pub default_chat_max_tokens: usize,
+    counter: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, model_id: String, api_key: Option<String>) -> Self {
+        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, counter: AtomicU64::new(0) }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.counter.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn seed(&self, n: u64) -> u64 {
+        let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        t ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The router with every endpoint.
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
+        if !ok {
+            st.metrics.error("unauthorized");
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found() -> Response {
+    ApiError { status: StatusCode::NOT_FOUND, message: "no such endpoint".into(), kind: "invalid_request_error", param: None, code: None }.into_response()
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> AxJson<Value> {
+    AxJson(json!({"status": "ok", "model": st.model_id}))
+}
+
+async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], st.metrics.render()).into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> AxJson<Value> {
+    st.metrics.request("models");
+    AxJson(json!({
+        "object": "list",
+        "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "k3-offload", "max_model_len": st.engine.max_context}],
+    }))
+}
+
+fn fail(st: &AppState, e: ApiError) -> Response {
+    st.metrics.error(e.metric_kind());
+    tracing::info!(status = e.status.as_u16(), message = %e.message, "request refused");
+    e.into_response()
+}
+
+/// Resolves `max_tokens` against the context and queues the job.
+fn start(st: &AppState, prompt: &[u32], gen: &GenSettings, default_max: usize) -> Result<(mpsc::UnboundedReceiver<GenEvent>, usize), ApiError> {
+    let ctx = st.engine.max_context;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
+    }
+    if prompt.len() >= ctx {
+        return Err(ApiError::bad_request(
+            format!("the prompt is {} tokens; this model's context is {ctx} tokens", prompt.len()),
+            Some("messages"),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = ctx - prompt.len();
+    let max_tokens = match gen.max_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::bad_request(
+                format!("prompt ({} tokens) + max_tokens ({m}) exceeds the context of {ctx} tokens", prompt.len()),
+                Some("max_tokens"),
+            )
+            .with_code("context_length_exceeded"))
+        }
+        Some(m) => m,
+        None => default_max.min(room),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut stop_ids = vec![];
+    if let Some(i) = st.tokenizer.special_id(crate::tokenizer::names::END_OF_MSG) {
+        stop_ids.push(i);
+    }
+    if let Some(i) = st.tokenizer.special_id(crate::tokenizer::names::EOS) {
+        stop_ids.push(i);
+    }
+    st.engine
+        .submit(GenJob { prompt: prompt.to_vec(), max_tokens, sampling: gen.sampling.clone(), stop_ids, events: tx })
+        .map_err(ApiError::unavailable)?;
+    Ok((rx, max_tokens))
+}
+
+fn usage(prompt: usize, completion: usize, reused: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    })
+}
+
+fn tool_call_json(t: &ToolCall) -> Value {
+    json!({"index": t.index, "id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}})
+}
+
+/// Drives one chat generation: parses ids into events, applies stop strings to the content.
+struct ChatRun {
+    parser: OutputParser,
+    stops: StopStrings,
+    tokens: Vec<u32>,
+    reused: usize,
+    stopped_by_string: bool,
+}
+
+/// One step of a chat run, for the response writer.
+enum ChatStep {
+    Events(Vec<OutputEvent>),
+    /// The finish reason and the last events (held-back text).
+    Finished(FinishReason, Vec<OutputEvent>),
+}
+
+impl ChatRun {
+    /// Handles one engine event; `None` when the event needs no output.
+    fn on(&mut self, ev: GenEvent) -> Result<Option<ChatStep>, ApiError> {
+        match ev {
+            GenEvent::Prefilled { reused_tokens, .. } => {
+                self.reused = reused_tokens;
+                Ok(None)
+            }
+            GenEvent::Token(t) => {
+                self.tokens.push(t);
+                let evs = self.parser.push(t);
+                let evs = self.filter(evs);
+                if self.stopped_by_string {
+                    let mut evs = evs;
+                    evs.extend(self.filter_tail(FinishReason::Stop));
+                    return Ok(Some(ChatStep::Events(evs)));
+                }
+                Ok(Some(ChatStep::Events(evs)))
+            }
+            GenEvent::Done { finish, .. } => {
+                let reason = match finish {
+                    GenFinish::Length => FinishReason::Length,
+                    _ => FinishReason::Stop,
+                };
+                let tail = self.filter_tail(reason);
+                let r = self.parser.output().finish_reason.unwrap_or(reason);
+                Ok(Some(ChatStep::Finished(r, tail)))
+            }
+            GenEvent::Error(e) => Err(ApiError::internal(format!("generation failed: {e}"))),
+        }
+    }
+
+    /// Applies stop strings to content events.
+    fn filter(&mut self, evs: Vec<OutputEvent>) -> Vec<OutputEvent> {
+        let mut out = Vec::new();
+        for e in evs {
+            match e {
+                OutputEvent::Content(c) => {
+                    if self.stops.hit() {
+                        continue;
+                    }
+                    let s = self.stops.push(&c);
+                    if !s.is_empty() {
+                        out.push(OutputEvent::Content(s));
+                    }
+                    if self.stops.hit() {
+                        self.stopped_by_string = true;
+                    }
+                }
+                other if !self.stops.hit() => out.push(other),
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Ends the parser (if the engine did not already) and flushes held text.
+    fn filter_tail(&mut self, reason: FinishReason) -> Vec<OutputEvent> {
+        let evs = self.parser.finish(reason);
+        let mut out = self.filter(evs);
+        if !self.stops.hit() {
+            let rest = self.stops.finish();
+            if !rest.is_empty() {
+                out.push(OutputEvent::Content(rest));
+            }
+        }
+        out
+    }
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    st.metrics.request("chat_completions");
+    let n = st.next_id();
+    let v = match api::parse_body(&body) {
+        Ok(v) => v,
+        Err(e) => return fail(&st, e),
+    };
+    let req = match api::chat_request(&v, &st.model_id, st.seed(n)) {
+        Ok(r) => r,
+        Err(e) => return fail(&st, e),
+    };
+    let segments = match render(&req.messages, &req.render) {
+        Ok(s) => s,
+        Err(e) => return fail(&st, ApiError::bad_request(e.0, Some("messages"))),
+    };
+    let prompt = match st.tokenizer.encode_segments(&segments) {
+        Ok(p) => p,
+        Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages"))),
+    };
+    let (rx, _max) = match start(&st, &prompt, &req.gen, st.default_chat_max_tokens) {
+        Ok(x) => x,
+        Err(e) => return fail(&st, e),
+    };
+    st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+    let id = format!("chatcmpl-{:x}{:04x}", now_secs(), n & 0xffff);
+    let parser = match OutputParser::new(st.tokenizer.clone(), req.render.thinking, format!("call_{:x}{:04x}", now_secs(), n & 0xffff)) {
+        Ok(p) => p,
+        Err(e) => return fail(&st, ApiError::internal(e)),
+    };
+    let run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false };
+    if req.gen.stream {
+        chat_stream(st, rx, run, id, req.model, prompt, req.gen).await
+    } else {
+        chat_whole(st, rx, run, id, req.model, prompt, req.gen).await
+    }
+}
+
+async fn chat_whole(
+    st: Arc<AppState>,
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut run: ChatRun,
+    id: String,
+    model: String,
+    prompt: Vec<u32>,
+    gen: GenSettings,
+) -> Response {
+    let mut finish = FinishReason::Stop;
+    loop {
+        let Some(ev) = rx.recv().await else {
+            return fail(&st, ApiError::internal("the engine stopped during generation"));
+        };
+        match run.on(ev) {
+            Ok(Some(ChatStep::Finished(r, _))) => {
+                finish = r;
+                break;
+            }
+            Ok(_) => {
+                if run.stopped_by_string {
+                    break; // dropping rx cancels the job
+                }
+            }
+            Err(e) => return fail(&st, e),
+        }
+    }
+    drop(rx);
+    let out = run.parser.output().clone();
+    let content = if out.content.is_empty() { Value::Null } else { Value::String(content_with_stops(&out.content, &gen.stop)) };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !out.reasoning.is_empty() {
+        message["reasoning_content"] = Value::String(out.reasoning.clone());
+    }
+    if !out.tool_calls.is_empty() && !run.stopped_by_string {
+        message["tool_calls"] = Value::Array(out.tool_calls.iter().map(|t| {
+            let mut v = tool_call_json(t);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("index");
+            }
+            v
+        }).collect());
+    }
+    let finish = if run.stopped_by_string { FinishReason::Stop } else { finish };
+    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": null});
+    if gen.return_token_ids {
+        choice["token_ids"] = json!(run.tokens);
+    }
+    let mut body = json!({
+        "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
+        "choices": [choice],
+        "usage": usage(prompt.len(), run.tokens.len(), run.reused),
+    });
+    if gen.return_token_ids {
+        body["prompt_token_ids"] = json!(prompt);
+    }
+    AxJson(body).into_response()
+}
+
+/// The content cut at the first stop string (the parser's aggregate is pre-filter).
+fn content_with_stops(content: &str, stops: &[String]) -> String {
+    match stops.iter().filter(|s| !s.is_empty()).filter_map(|s| content.find(s.as_str())).min() {
+        Some(p) => content[..p].to_string(),
+        None => content.to_string(),
+    }
+}
+
+/// Sends parser events as chunks; false when the client is gone.
+fn send_events(tx: &mpsc::UnboundedSender<Result<Event, Infallible>>, chunk: &impl Fn(Value, Option<&str>) -> Value, evs: Vec<OutputEvent>) -> bool {
+    for e in evs {
+        let delta = match e {
+            OutputEvent::Reasoning(s) => json!({"reasoning_content": s}),
+            OutputEvent::Content(s) => json!({"content": s}),
+            OutputEvent::ToolCall(t) => json!({"tool_calls": [tool_call_json(&t)]}),
+        };
+        if tx.send(sse(&chunk(delta, None))).is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+fn sse(v: &Value) -> Result<Event, Infallible> {
+    Ok(Event::default().data(v.to_string()))
+}
+
+async fn chat_stream(
+    st: Arc<AppState>,
+    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut run: ChatRun,
+    id: String,
+    model: String,
+    prompt: Vec<u32>,
+    gen: GenSettings,
+) -> Response {
+    let (tx, out_rx) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
+    let created = now_secs();
+    let chunk = move |delta: Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+    };
+    let metrics = st.metrics.clone();
+    tokio::spawn(async move {
+        let _ = tx.send(sse(&chunk(json!({"role": "assistant", "content": ""}), None)));
+        let mut finish = None;
+        while let Some(ev) = rx.recv().await {
+            match run.on(ev) {
+                Ok(Some(ChatStep::Events(evs))) => {
+                    if !send_events(&tx, &chunk, evs) {
+                        return; // client gone: dropping rx cancels the job
+                    }
+                    if run.stopped_by_string {
+                        finish = Some(FinishReason::Stop);
+                        break;
+                    }
+                }
+                Ok(Some(ChatStep::Finished(r, tail))) => {
+                    send_events(&tx, &chunk, tail);
+                    finish = Some(r);
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    metrics.error("generation");
+                    let _ = tx.send(sse(&e.body()));
+                    let _ = tx.send(Ok(Event::default().data("[DONE]")));
+                    return;
+                }
+            }
+        }
+        drop(rx);
+        let Some(finish) = finish else {
+            metrics.error("generation");
+            let _ = tx.send(sse(&ApiError::internal("the engine stopped during generation").body()));
+            let _ = tx.send(Ok(Event::default().data("[DONE]")));
+            return;
+        };
+        let _ = tx.send(sse(&chunk(json!({}), Some(finish.as_str()))));
+        if gen.include_usage {
+            let mut u = chunk(Value::Null, None);
+            u["choices"] = json!([]);
+            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused);
+            let _ = tx.send(sse(&u));
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]")));
+    });
+    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    st.metrics.request("completions");
+    let n = st.next_id();
+    let v = match api::parse_body(&body) {
+        Ok(v) => v,
+        Err(e) => return fail(&st, e),
+    };
+    let req = match api::completion_request(&v, &st.model_id, st.tokenizer.vocab_size() as usize, st.seed(n)) {
+        Ok(r) => r,
+        Err(e) => return fail(&st, e),
+    };
+    let prompt = match &req.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::Text(t) => match st.tokenizer.encode(t, true) {
+            Ok(p) => p,
+            Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
+        },
+    };
+    let (mut rx, _) = match start(&st, &prompt, &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS) {
+        Ok(x) => x,
+        Err(e) => return fail(&st, e),
+    };
+    st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+    let id = format!("cmpl-{:x}{:04x}", now_secs(), n & 0xffff);
+    let tok = st.tokenizer.clone();
+    let stop_ids: Vec<u32> = [crate::tokenizer::names::END_OF_MSG, crate::tokenizer::names::EOS].iter().filter_map(|n| tok.special_id(n)).collect();
+    let gen = req.gen.clone();
+    let model = req.model.clone();
+    let created = now_secs();
+
+    // Shared by both forms: text deltas (stop ids are not text), stop strings, finish reason.
+    struct Run {
+        utf8: crate::tokenizer::Utf8Stream,
+        stops: StopStrings,
+        tokens: Vec<u32>,
+        reused: usize,
+    }
+    let mut run = Run { utf8: Default::default(), stops: StopStrings::new(gen.stop.clone()), tokens: Vec::new(), reused: 0 };
+    // Returns (text delta, finish reason if finished).
+    let step = move |run: &mut Run, ev: GenEvent| -> Result<(String, Option<&'static str>), ApiError> {
+        match ev {
+            GenEvent::Prefilled { reused_tokens, .. } => {
+                run.reused = reused_tokens;
+                Ok((String::new(), None))
+            }
+            GenEvent::Token(t) => {
+                run.tokens.push(t);
+                if stop_ids.contains(&t) {
+                    return Ok((String::new(), None));
+                }
+                let s = run.utf8.push(tok.token_bytes(t).unwrap_or(b"\xEF\xBF\xBD"));
+                let s = run.stops.push(&s);
+                Ok((s, if run.stops.hit() { Some("stop") } else { None }))
+            }
+            GenEvent::Done { finish, .. } => {
+                let tail = run.utf8.finish();
+                let mut s = run.stops.push(&tail);
+                if !run.stops.hit() {
+                    s.push_str(&run.stops.finish());
+                }
+                Ok((s, Some(if finish == GenFinish::Length && !run.stops.hit() { "length" } else { "stop" })))
+            }
+            GenEvent::Error(e) => Err(ApiError::internal(format!("generation failed: {e}"))),
+        }
+    };
+
+    if !gen.stream {
+        let mut text = String::new();
+        let finish;
+        loop {
+            let Some(ev) = rx.recv().await else {
+                return fail(&st, ApiError::internal("the engine stopped during generation"));
+            };
+            match step(&mut run, ev) {
+                Ok((s, f)) => {
+                    text.push_str(&s);
+                    if let Some(f) = f {
+                        finish = f;
+                        break;
+                    }
+                }
+                Err(e) => return fail(&st, e),
+            }
+        }
+        drop(rx);
+        let mut choice = json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null});
+        if gen.return_token_ids {
+            choice["token_ids"] = json!(run.tokens);
+        }
+        let mut body = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                              "choices": [choice], "usage": usage(prompt.len(), run.tokens.len(), run.reused)});
+        if gen.return_token_ids {
+            body["prompt_token_ids"] = json!(prompt);
+        }
+        return AxJson(body).into_response();
+    }
+
+    let (tx, out_rx) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
+    let metrics = st.metrics.clone();
+    tokio::spawn(async move {
+        let chunk = |text: &str, finish: Option<&str>| {
+            json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
+        };
+        while let Some(ev) = rx.recv().await {
+            match step(&mut run, ev) {
+                Ok((s, f)) => {
+                    if !s.is_empty() && tx.send(sse(&chunk(&s, None))).is_err() {
+                        return;
+                    }
+                    if let Some(f) = f {
+                        let _ = tx.send(sse(&chunk("", Some(f))));
+                        if gen.include_usage {
+                            let mut u = chunk("", None);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused);
+                            let _ = tx.send(sse(&u));
+                        }
+                        let _ = tx.send(Ok(Event::default().data("[DONE]")));
+                        return;
+                    }
+                }
+                Err(e) => {
+                    metrics.error("generation");
+                    let _ = tx.send(sse(&e.body()));
+                    let _ = tx.send(Ok(Event::default().data("[DONE]")));
+                    return;
+                }
+            }
+        }
+        metrics.error("generation");
+        let _ = tx.send(sse(&ApiError::internal("the engine stopped during generation").body()));
+        let _ = tx.send(Ok(Event::default().data("[DONE]")));
+    });
+    let stream = futures_util::stream::unfold(out_rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Binds `addr` and serves until the process ends (or `shutdown` resolves).
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,201 @@
+//! The engine thread: owns the [`GenerationEngine`] and the [`SessionStore`], runs one
+//! generation job at a time (prefix reuse, prefill, checkpoint, sample/step loop) and streams
+//! token ids back to the HTTP handler over a channel. A handler that goes away (client gone,
+//! stop string matched) drops its receiver, which cancels the job at the next token.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::engine::{GenerationEngine, PrefillReport};
+use super::metrics::Metrics;
+use super::sessions::SessionStore;
+use crate::sampler::{Sampler, SamplingParams};
+
+/// Limits of the session store.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub max_sessions: usize,
+    pub max_bytes: usize,
+    /// Keep a copy of the state at each prompt's end (turn boundary).
+    pub checkpoints: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { max_sessions: 16, max_bytes: 8 << 30, checkpoints: true }
+    }
+}
+
+/// One generation request.
+pub struct GenJob {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends after emitting one of these (it is reported and fed).
+    pub stop_ids: Vec<u32>,
+    pub events: mpsc::UnboundedSender<GenEvent>,
+}
+
+/// Why a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenFinish {
+    Stop,
+    Length,
+    Cancelled,
+}
+
+/// What the engine thread reports about a job.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    /// The prompt is in: how much was reused and how the rest was prefilled.
+    Prefilled { reused_tokens: usize, report: PrefillReport },
+    Token(u32),
+    Done { finish: GenFinish, generated: usize, decode_seconds: f64 },
+    Error(String),
+}
+
+/// Handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: mpsc::UnboundedSender<GenJob>,
+    pub vocab_size: usize,
+    pub max_context: usize,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread; `make` builds the engine on that thread (MLX state stays on
+    /// the thread that created it). Returns once the engine is loaded, or its load error.
+    pub fn spawn<E, F>(make: F, store: StoreOptions, metrics: Arc<Metrics>) -> anyhow::Result<Self>
+    where
+        E: GenerationEngine,
+        F: FnOnce() -> anyhow::Result<E> + Send + 'static,
+    {
+        let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<GenJob>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<(usize, usize)>>();
+        std::thread::Builder::new().name("k3-engine".into()).spawn(move || {
+            let mut engine = match make() {
+                Ok(e) => e,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok((engine.vocab_size(), engine.max_context())));
+            let mut worker = Worker { store: SessionStore::new(store.max_sessions, store.max_bytes), checkpoints: store.checkpoints, metrics };
+            while let Some(job) = jobs_rx.blocking_recv() {
+                worker.run(&mut engine, job);
+            }
+        })?;
+        let (vocab_size, max_context) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
+        Ok(EngineHandle { jobs: jobs_tx, vocab_size, max_context })
+    }
+
+    /// Queues a job.
+    pub fn submit(&self, job: GenJob) -> Result<(), String> {
+        self.jobs.send(job).map_err(|_| "the engine thread has stopped".to_string())
+    }
+}
+
+struct Worker<S> {
+    store: SessionStore<S>,
+    checkpoints: bool,
+    metrics: Arc<Metrics>,
+}
+
+impl<S: 'static> Worker<S> {
+    fn run<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) {
+        let events = job.events.clone();
+        if let Err(e) = self.generate(engine, job) {
+            tracing::error!(error = %format!("{e:#}"), "generation failed");
+            let _ = events.send(GenEvent::Error(format!("{e:#}")));
+        }
+        self.metrics.sessions_held.set(self.store.len() as i64);
+        self.metrics.session_bytes.set(self.store.total_bytes() as i64);
+    }
+
+    /// Finds the best held state for the prompt and brings it to the end of the prompt.
+    fn prepare<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, prompt: &[u32]) -> anyhow::Result<(S, usize, PrefillReport)> {
+        if let Some(i) = self.store.best_match(prompt) {
+            let held = self.store.get(i).tokens.len();
+            let mut session = if self.store.get(i).checkpoint {
+                self.store.touch(i);
+                engine.fork(&self.store.get(i).session)?
+            } else {
+                self.store.take(i).session
+            };
+            if held < prompt.len() {
+                let report = engine.prefill(&mut session, &prompt[held..])?;
+                return Ok((session, held, report));
+            }
+            if engine.logits(&session).is_some() {
+                return Ok((session, held, PrefillReport::default()));
+            }
+            tracing::debug!("held state matches the whole prompt but has no logits; prefilling afresh");
+        }
+        let mut session = engine.new_session()?;
+        let report = engine.prefill(&mut session, prompt)?;
+        Ok((session, 0, report))
+    }
+
+    fn generate<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) -> anyhow::Result<()> {
+        anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
+        let mut sampler = Sampler::new(job.sampling.clone()).map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
+        let (mut session, reused, report) = self.prepare(engine, &job.prompt)?;
+        self.metrics.reused_tokens.inc_by(reused as u64);
+        if report.tokens > 0 {
+            self.metrics.prefill(report.remote, report.tokens, report.seconds);
+        }
+        self.metrics.handoff_bytes.inc_by(report.handoff_bytes);
+        self.metrics.handoff_exposed_tail_seconds.inc_by(report.exposed_tail_seconds);
+        if report.fell_back {
+            self.metrics.prefill_fallbacks.inc();
+        }
+        tracing::debug!(prompt = job.prompt.len(), reused, prefilled = report.tokens, remote = report.remote, "prompt ready");
+        let _ = job.events.send(GenEvent::Prefilled { reused_tokens: reused, report });
+        if self.checkpoints {
+            match engine.fork(&session) {
+                Ok(copy) => {
+                    let bytes = engine.session_bytes(&copy);
+                    let ev = self.store.insert(job.prompt.clone(), copy, bytes, true);
+                    self.metrics.sessions_evicted.inc_by(ev as u64);
+                }
+                Err(e) => tracing::warn!(error = %e, "could not checkpoint the session"),
+            }
+        }
+
+        let t0 = Instant::now();
+        let mut generated = Vec::with_capacity(job.max_tokens.min(4096));
+        let mut finish = GenFinish::Length;
+        while generated.len() < job.max_tokens && job.prompt.len() + generated.len() < engine.max_context() {
+            let logits = engine.logits(&session).ok_or_else(|| anyhow::anyhow!("the session has no logits"))?;
+            let tok = sampler.sample(logits).map_err(|e| anyhow::anyhow!("sampling: {e}"))?;
+            generated.push(tok);
+            let listening = job.events.send(GenEvent::Token(tok)).is_ok();
+            engine.step(&mut session, tok)?;
+            if job.stop_ids.contains(&tok) {
+                finish = GenFinish::Stop;
+                break;
+            }
+            if !listening {
+                finish = GenFinish::Cancelled;
+                break;
+            }
+        }
+        let decode_seconds = t0.elapsed().as_secs_f64();
+        self.metrics.generated_tokens.inc_by(generated.len() as u64);
+        self.metrics.decode_seconds.inc_by(decode_seconds);
+        if !generated.is_empty() && decode_seconds > 0.0 {
+            self.metrics.decode_tokens_per_second.set(generated.len() as f64 / decode_seconds);
+        }
+        let n = generated.len();
+        let mut tokens = job.prompt;
+        tokens.extend(generated);
+        let bytes = engine.session_bytes(&session);
+        let ev = self.store.insert(tokens, session, bytes, false);
+        self.metrics.sessions_evicted.inc_by(ev as u64);
+        let _ = job.events.send(GenEvent::Done { finish, generated: n, decode_seconds });
+        Ok(())
+    }
+}

@@ -1,0 +1,426 @@
+//! End-to-end tests of the OpenAI-compatible server with a real HTTP client (reqwest) against a
+//! running server on the synthetic model's tokenizer, with the deterministic fake engine
+//! (`server::engine::FakeEngine`): chat (streamed and not), prefix reuse across turns, a tool
+//! call round trip, concurrent clients, completions, and every kind of bad request.
+
+use std::sync::Arc;
+
+use mac_decoder::server::engine::FakeEngine;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::{Segment, Tokenizer};
+use serde_json::{json, Value};
+
+const VOCAB: usize = 1024;
+const CONTEXT: usize = 3000;
+
+/// The synthetic model's tokenizer (release format, compact special block for vocab 1024).
+fn synth_tokenizer(dir: &std::path::Path) -> Tokenizer {
+    k3_protocol::synth::tokenizer::write_tokenizer(dir, VOCAB, CONTEXT).unwrap();
+    std::fs::write(dir.join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
+    Tokenizer::from_dir(dir).unwrap()
+}
+
+fn m(s: &str) -> Segment {
+    Segment::markup(s)
+}
+fn t(s: &str) -> Segment {
+    Segment::text(s)
+}
+
+/// What the fake model answers, from the prompt text.
+fn reply(tok: &Tokenizer, prompt: &[u32]) -> Vec<u32> {
+    let text = tok.decode(prompt);
+    let last_user = text.rsplit("role=\"user\"<|sep|>").next().unwrap_or("").split("<|close|>").next().unwrap_or("").to_string();
+    let after_tool = text.rsplit("<|end_of_msg|>").nth(1).is_some_and(|m| m.contains("role=\"tool\""));
+    let segs = if after_tool {
+        vec![t("Got the weather."), m("<|close|>think<|sep|><|open|>response<|sep|>"), t("It is 18C in Paris."), m("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")]
+    } else if last_user.contains("weather") {
+        vec![
+            t("Need the weather tool."),
+            m("<|close|>think<|sep|><|open|>response<|sep|>"),
+            t("Checking."),
+            m("<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>"),
+            t("Paris"),
+            m("<|close|>argument<|sep|><|open|>argument key=\"days\" type=\"number\"<|sep|>"),
+            t("2"),
+            m("<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"),
+        ]
+    } else {
+        vec![
+            t(&format!("Thinking about: {last_user}")),
+            m("<|close|>think<|sep|><|open|>response<|sep|>"),
+            t(&format!("Echo: {last_user}")),
+            m("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"),
+        ]
+    };
+    tok.encode_segments(&segs).unwrap()
+}
+
+struct Server {
+    base: String,
+    tok: Arc<Tokenizer>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start(api_key: Option<&str>) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Arc::new(synth_tokenizer(dir.path()));
+    let marker = tok
+        .encode_segments(&[m("<|open|>"), t("message"), t(" role"), t("=\""), t("assistant"), t("\""), m("<|sep|>"), m("<|open|>"), t("think"), m("<|sep|>")])
+        .unwrap();
+    let stop = tok.special_id("<|end_of_msg|>").unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let tok2 = tok.clone();
+    let engine = EngineHandle::spawn(
+        move || {
+            let mut e = FakeEngine::new(VOCAB, CONTEXT, marker, stop, move |p: &[u32]| reply(&tok2, p));
+            e.step_delay = std::time::Duration::from_micros(200);
+            Ok(e)
+        },
+        StoreOptions { max_sessions: 8, max_bytes: 1 << 30, checkpoints: true },
+        metrics.clone(),
+    )
+    .unwrap();
+    let state = Arc::new(AppState::new(engine, tok.clone(), metrics.clone(), "k3-synth".into(), api_key.map(str::to_string)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    Server { base: format!("http://{addr}"), tok, _dir: dir }
+}
+
+async fn post(s: &Server, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new().post(format!("{}{path}", s.base)).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|v| v.parse().unwrap())
+        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+}
+
+async fn metrics_text(s: &Server) -> String {
+    reqwest::get(format!("{}/metrics", s.base)).await.unwrap().text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streamed_chat_completion() {
+    let s = start(None).await;
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"model": "k3-synth", "messages": [{"role": "user", "content": "hello there"}]})).await;
+    assert_eq!(st, 200, "{v}");
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(msg["content"], "Echo: hello there");
+    assert_eq!(msg["reasoning_content"], "Thinking about: hello there");
+    assert!(msg.get("tool_calls").is_none());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["object"], "chat.completion");
+    let u = &v["usage"];
+    assert_eq!(u["total_tokens"].as_u64(), Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()));
+    // The prompt is the K3 rendering with the default effort note.
+    let want = mac_decoder::chat::render::render(
+        &[mac_decoder::chat::Json::parse(r#"{"role":"user","content":"hello there"}"#).unwrap()],
+        &mac_decoder::chat::RenderOptions { thinking_effort: Some("max".into()), ..Default::default() },
+    )
+    .unwrap();
+    assert_eq!(u["prompt_tokens"].as_u64().unwrap() as usize, s.tok.encode_segments(&want).unwrap().len());
+}
+
+/// Parses an SSE body into its JSON events (and checks it ends with `[DONE]`).
+fn sse_events(body: &str) -> Vec<Value> {
+    let datas: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"), "{body}");
+    datas[..datas.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_chat_completion_with_usage() {
+    let s = start(None).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&json!({"messages": [{"role": "user", "content": "stream ünïcode 🚀 please"}], "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let events = sse_events(&r.text().await.unwrap());
+    let (mut reasoning, mut content, mut finish, mut usage) = (String::new(), String::new(), None, None);
+    let mut deltas = 0;
+    for e in &events {
+        if let Some(u) = e.get("usage").filter(|u| !u.is_null()) {
+            usage = Some(u.clone());
+            assert_eq!(e["choices"], json!([]));
+            continue;
+        }
+        let c = &e["choices"][0];
+        assert_eq!(e["object"], "chat.completion.chunk");
+        if let Some(r) = c["delta"]["reasoning_content"].as_str() {
+            reasoning.push_str(r);
+            deltas += 1;
+        }
+        if let Some(t) = c["delta"]["content"].as_str() {
+            content.push_str(t);
+            deltas += 1;
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert!(deltas > 5, "the answer arrives in several deltas ({deltas})");
+    assert_eq!(reasoning, "Thinking about: stream ünïcode 🚀 please");
+    assert_eq!(content, "Echo: stream ünïcode 🚀 please");
+    assert_eq!(finish.as_deref(), Some("stop"));
+    let usage = usage.expect("a usage chunk");
+    assert!(usage["completion_tokens"].as_u64().unwrap() > 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_turn_reuses_the_first_turns_state() {
+    let s = start(None).await;
+    let first = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"}]);
+    let (st, v1) = post(&s, "/v1/chat/completions", json!({"messages": first})).await;
+    assert_eq!(st, 200, "{v1}");
+    let p1 = v1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let c1 = v1["usage"]["completion_tokens"].as_u64().unwrap();
+    let local_after_1 = metric(&metrics_text(&s).await, "k3_prefill_tokens_total{where=\"local\"}");
+    assert_eq!(local_after_1, p1 as f64, "turn 1 prefills its whole prompt");
+
+    let msg = &v1["choices"][0]["message"];
+    let mut second = first.as_array().unwrap().clone();
+    second.push(json!({"role": "assistant", "content": msg["content"], "reasoning_content": msg["reasoning_content"]}));
+    second.push(json!({"role": "user", "content": "second question"}));
+    let (st, v2) = post(&s, "/v1/chat/completions", json!({"messages": second})).await;
+    assert_eq!(st, 200, "{v2}");
+    assert_eq!(v2["choices"][0]["message"]["content"], "Echo: second question");
+    let p2 = v2["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Turn 1's prompt and reply (stop token included) are held: only the new tokens are prefilled.
+    assert_eq!(v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(p1 + c1));
+    let text = metrics_text(&s).await;
+    let prefilled_2 = metric(&text, "k3_prefill_tokens_total{where=\"local\"}") - local_after_1;
+    assert_eq!(prefilled_2, (p2 - p1 - c1) as f64, "turn 2 prefills only its new tokens");
+    assert_eq!(metric(&text, "k3_reused_prompt_tokens_total"), (p1 + c1) as f64);
+    assert!(metric(&text, "k3_sessions_held") >= 2.0);
+
+    // A client that edits the reply diverges from the live state: the turn-1 checkpoint (its
+    // prompt) is reused instead.
+    let mut edited = second.clone();
+    edited[2]["content"] = json!("An edited answer.");
+    let before = metric(&metrics_text(&s).await, "k3_prefill_tokens_total{where=\"local\"}");
+    let (st, v3) = post(&s, "/v1/chat/completions", json!({"messages": edited})).await;
+    assert_eq!(st, 200);
+    assert_eq!(v3["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(p1));
+    let after = metric(&metrics_text(&s).await, "k3_prefill_tokens_total{where=\"local\"}");
+    assert_eq!(after - before, (v3["usage"]["prompt_tokens"].as_u64().unwrap() - p1) as f64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_call_round_trip() {
+    let s = start(None).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]);
+    let mut messages = vec![json!({"role": "user", "content": "What is the weather in Paris?"})];
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"messages": messages, "tools": tools, "tool_choice": "auto"})).await;
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls");
+    assert_eq!(c["message"]["content"], "Checking.");
+    let calls = c["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 2}));
+    let id = calls[0]["id"].as_str().unwrap().to_string();
+
+    // Send the call back with its result: the model sees the tool message and answers.
+    messages.push(json!({"role": "assistant", "content": c["message"]["content"], "reasoning_content": c["message"]["reasoning_content"], "tool_calls": calls}));
+    messages.push(json!({"role": "tool", "tool_call_id": id, "content": "{\"temp_c\": 18}"}));
+    let (st, v2) = post(&s, "/v1/chat/completions", json!({"messages": messages, "tools": tools})).await;
+    assert_eq!(st, 200, "{v2}");
+    assert_eq!(v2["choices"][0]["message"]["content"], "It is 18C in Paris.");
+    assert_eq!(v2["choices"][0]["finish_reason"], "stop");
+    // The re-rendered call matched what the model generated: the whole first turn was reused.
+    let u1 = &v["usage"];
+    assert_eq!(
+        v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(u1["prompt_tokens"].as_u64().unwrap() + u1["completion_tokens"].as_u64().unwrap())
+    );
+
+    // Streamed: the call arrives whole in one delta.
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&json!({"messages": [{"role": "user", "content": "weather?"}], "tools": tools, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let events = sse_events(&r.text().await.unwrap());
+    let call_deltas: Vec<&Value> = events.iter().filter_map(|e| e["choices"][0]["delta"].get("tool_calls")).collect();
+    assert_eq!(call_deltas.len(), 1);
+    assert_eq!(call_deltas[0][0]["function"]["name"], "get_weather");
+    assert_eq!(call_deltas[0][0]["index"], 0);
+    assert!(events.iter().any(|e| e["choices"][0]["finish_reason"] == "tool_calls"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_clients_each_get_their_answer() {
+    let s = Arc::new(start(None).await);
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let stream = i % 2 == 0;
+            let body = json!({"messages": [{"role": "user", "content": format!("client {i}")}], "stream": stream});
+            let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.base)).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            if stream {
+                sse_events(&r.text().await.unwrap())
+                    .iter()
+                    .filter_map(|e| e["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+                    .collect::<String>()
+            } else {
+                let v: Value = r.json().await.unwrap();
+                v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+            }
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), format!("Echo: client {i}"));
+    }
+    assert_eq!(metric(&metrics_text(&s).await, "k3_requests_total{endpoint=\"chat_completions\"}"), 8.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_completion_equals_the_engine_run_directly() {
+    use mac_decoder::server::engine::GenerationEngine;
+    let s = start(None).await;
+    let prompt: Vec<u32> = (0..50).map(|i| (i * 7 % 250) as u32).collect();
+    let (st, v) = post(&s, "/v1/completions", json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true})).await;
+    assert_eq!(st, 200, "{v}");
+    let got: Vec<u32> = v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    // The same prompt through the engine by hand: prefill, argmax, step.
+    let mut e = FakeEngine::new(VOCAB, CONTEXT, vec![u32::MAX], 0, |_: &[u32]| vec![]);
+    let mut sess = e.new_session().unwrap();
+    e.prefill(&mut sess, &prompt).unwrap();
+    let mut want = Vec::new();
+    for _ in 0..12 {
+        let l = e.logits(&sess).unwrap();
+        let t = mac_decoder::sampler::argmax(l).unwrap() as u32;
+        want.push(t);
+        e.step(&mut sess, t).unwrap();
+    }
+    assert_eq!(got, want);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["text"], s.tok.decode(&want));
+    // Text prompts are encoded with special tokens allowed.
+    let (st, v) = post(&s, "/v1/completions", json!({"prompt": "<|open|>hi", "max_tokens": 3, "return_token_ids": true})).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["prompt_token_ids"][0].as_u64(), Some(s.tok.special_id("<|open|>").unwrap() as u64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    let s = start(None).await;
+    let client = reqwest::Client::new();
+    // Malformed JSON.
+    let r = client.post(format!("{}/v1/chat/completions", s.base)).body("{not json").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("JSON"));
+    let long = "word ".repeat(4000);
+    let user = |c: &str| json!([{"role": "user", "content": c}]);
+    let cases: Vec<(Value, u16, &str)> = vec![
+        (json!({"model": "gpt-4", "messages": user("hi")}), 404, "model"),
+        (json!({"messages": user(&long)}), 400, "context"),
+        (json!({"messages": user("hi"), "max_tokens": 5000}), 400, "max_tokens"),
+        (json!({"messages": user("hi"), "temperature": 3.5}), 400, "temperature"),
+        (json!({"messages": user("hi"), "temperature": "hot"}), 400, "temperature"),
+        (json!({"messages": user("hi"), "top_p": 0}), 400, "top_p"),
+        (json!({"messages": user("hi"), "max_tokens": 0}), 400, "max_tokens"),
+        (json!({"messages": user("hi"), "n": 2}), 400, "n"),
+        (json!({"messages": user("hi"), "presence_penalty": 0.5}), 400, "presence_penalty"),
+        (json!({"messages": []}), 400, "messages"),
+        (json!({"prompt": "hi"}), 400, "messages"),
+        (json!({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "role"),
+        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "image"),
+        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400, "tool_choice"),
+        (json!({"messages": user("hi"), "reasoning_effort": "extreme"}), 400, "reasoning_effort"),
+        (json!({"messages": [{"role": "tool", "content": "orphan result"}]}), 400, "tool"),
+        (json!({"messages": user("hi"), "response_format": {"type": "xml"}}), 400, "response_format"),
+        (json!({"messages": user("hi"), "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
+        (json!([1, 2, 3]), 400, "object"),
+    ];
+    for (body, status, word) in cases {
+        let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, status, "{body} -> {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("no error message for {body}: {v}"));
+        assert!(msg.contains(word) || v["error"]["param"].as_str().is_some_and(|p| p.contains(word)), "{body} -> {v}");
+    }
+    for (body, word) in [
+        (json!({"prompt": [1, 2, 99999]}), "prompt"),
+        (json!({"prompt": {"a": 1}}), "prompt"),
+        (json!({}), "prompt"),
+        (json!({"prompt": "x", "echo": true}), "echo"),
+    ] {
+        let (st, v) = post(&s, "/v1/completions", body.clone()).await;
+        assert_eq!(st, 400, "{body} -> {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(word), "{v}");
+    }
+    let r = client.get(format!("{}/v1/nothing", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    // The server is still fine and counted the errors.
+    let (st, _) = post(&s, "/v1/chat/completions", json!({"messages": user("still alive?")})).await;
+    assert_eq!(st, 200);
+    assert!(metric(&metrics_text(&s).await, "k3_errors_total{kind=\"invalid_request\"}") >= 15.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_models_health_metrics_and_stop_strings() {
+    let s = start(Some("sekret")).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", s.base);
+    let body = json!({"messages": [{"role": "user", "content": "abc: def"}], "stop": ["de"]});
+    let r = client.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let r = client.post(&url).bearer_auth("wrong").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = client.post(&url).bearer_auth("sekret").json(&body).send().await.unwrap().json().await.unwrap();
+    // The stop string applies to the content only; the reasoning keeps it.
+    assert_eq!(v["choices"][0]["message"]["content"], "Echo: abc: ");
+    assert_eq!(v["choices"][0]["message"]["reasoning_content"], "Thinking about: abc: def");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let models: Value = client.get(format!("{}/v1/models", s.base)).bearer_auth("sekret").send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], "k3-synth");
+    // (A stop-string request returns before the engine notices the cancel; a plain one after
+    // the engine's bookkeeping.)
+    let r = client.post(&url).bearer_auth("sekret").json(&json!({"messages": [{"role": "user", "content": "x"}]})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let health: Value = reqwest::get(format!("{}/health", s.base)).await.unwrap().json().await.unwrap();
+    assert_eq!(health["status"], "ok");
+    let text = metrics_text(&s).await;
+    for name in [
+        "k3_prompt_tokens_total",
+        "k3_generated_tokens_total",
+        "k3_prefill_tokens_total{where=\"remote\"}",
+        "k3_prefill_seconds_total{where=\"local\"}",
+        "k3_handoff_bytes_total",
+        "k3_handoff_exposed_tail_seconds_total",
+        "k3_decode_tokens_per_second",
+        "k3_sessions_held",
+        "k3_prefill_fallbacks_total",
+        "k3_errors_total{kind=\"unauthorized\"}",
+    ] {
+        metric(&text, name);
+    }
+    assert!(metric(&text, "k3_decode_tokens_per_second") > 0.0);
+    assert_eq!(metric(&text, "k3_errors_total{kind=\"unauthorized\"}"), 2.0);
+}
