@@ -148,3 +148,21 @@ fn bad_grids_are_rejected() {
     img.grid_thw = [2, 2, 2];
     assert!(enc.encode_trace(&img).is_err());
 }
+
+#[test]
+fn attention_in_query_blocks_equals_one_block() {
+    let base = k3_protocol::K3Config::load(&k3_protocol::testdata::golden_dir("tiny-a")).unwrap().vision_config;
+    let w = VisionWeights::synthetic(&base, 5);
+    let media = MediaProcConfig::for_vision(&base);
+    let img = preprocess_image(&test_image(100, 70, false, 3), &media).unwrap();
+    let n = img.n_patches();
+    let whole = MlxVisionEncoder::new(&w, media.clone(), NormEps::Bf16).unwrap().encode_trace(&img).unwrap();
+    // 7 query rows per block (uneven last block), and 1 row per block.
+    for rows in [7, 1] {
+        let mut enc = MlxVisionEncoder::new(&w, media.clone(), NormEps::Bf16).unwrap();
+        enc.tower.set_attention_score_bytes(rows * base.vt_num_attention_heads * n * 4);
+        let blocked = enc.encode_trace(&img).unwrap();
+        let e = max_row_rel(&blocked.output, &whole.output, base.text_hidden_size);
+        assert!(e <= 1e-6, "{rows}-row blocks vs one block: {e:.2e}");
+    }
+}

@@ -43,7 +43,14 @@ pub struct VisionTower {
     pos_emb: Vec<f32>,
     blocks: Vec<Block>,
     final_norm: Array,
+    /// Upper bound on one attention score tensor (`heads × q_rows × n` f32); longer images are
+    /// attended in query blocks so that MLX backends without a fused kernel (the CPU) do not
+    /// materialise `heads × n²` scores.
+    attn_score_bytes: usize,
 }
+
+/// Default bound of one attention score tensor (1 GiB).
+pub const DEFAULT_ATTN_SCORE_BYTES: usize = 1 << 30;
 
 /// The tower's outputs for one image, as MLX arrays.
 pub struct TowerOutput {
@@ -77,7 +84,34 @@ impl VisionTower {
             blocks,
             final_norm: arr(&w.final_norm, &[d], "vision_tower.encoder.final_layernorm.weight")?,
             cfg: c.clone(),
+            attn_score_bytes: DEFAULT_ATTN_SCORE_BYTES,
         })
+    }
+
+    /// Sets the bound of one attention score tensor (see [`DEFAULT_ATTN_SCORE_BYTES`]).
+    pub fn set_attention_score_bytes(&mut self, bytes: usize) {
+        self.attn_score_bytes = bytes.max(1);
+    }
+
+    /// Query rows per attention block for `n` patches.
+    fn query_block(&self, n: usize) -> usize {
+        let per_row = self.cfg.vt_num_attention_heads * n * 4;
+        (self.attn_score_bytes / per_row.max(1)).clamp(1, n.max(1))
+    }
+
+    /// Bidirectional attention of `q, k, v [1, heads, n, hd]`, in query blocks when long.
+    fn attention(&self, q: &Array, k: &Array, v: &Array, n: usize, scale: f32, what: &str) -> R<Array> {
+        let rows = self.query_block(n);
+        if rows >= n {
+            return mlx(fast::scaled_dot_product_attention(q, k, v, scale, None, None), what);
+        }
+        let cuts: Vec<i32> = (rows..n).step_by(rows).map(|c| c as i32).collect();
+        let blocks = mlx(q.split_at_indices(&cuts, 2), what)?;
+        let outs = blocks
+            .iter()
+            .map(|qb| mlx(fast::scaled_dot_product_attention(qb, k, v, scale, None, None), what))
+            .collect::<R<Vec<Array>>>()?;
+        mlx(ops::concatenate(&outs, 2), what)
     }
 
     /// Rotates the `(2p, 2p+1)` pairs of `x [n, heads, hd]` by `cos/sin [n, 1, hd/2, 1]`.
@@ -125,10 +159,7 @@ impl VisionTower {
             let vh = mlx(parts[2].reshape(&shape), &what("v"))?;
             // [n, heads, hd] → [1, heads, n, hd]
             let bh = |a: &Array| mlx(a.transpose_axes(&[1, 0, 2]).and_then(|t| t.reshape(&[1, hi, ni, hdi])), &what("to heads"));
-            let o = mlx(
-                fast::scaled_dot_product_attention(bh(&qh)?, bh(&kh)?, bh(&vh)?, scale, None, None),
-                &what("attention"),
-            )?;
+            let o = self.attention(&bh(&qh)?, &bh(&kh)?, &bh(&vh)?, n, scale, &what("attention"))?;
             let o = mlx(o.reshape(&[hi, ni, hdi]).and_then(|t| t.transpose_axes(&[1, 0, 2])), &what("from heads"))?;
             let o = mlx(o.reshape(&[ni, qi]), &what("attn out"))?;
             x = mlx(x.add(&linear(&o, &b.wo, &what("wo"))?), &what("residual"))?;
