@@ -226,3 +226,22 @@ fn router_bias_selects_but_does_not_weigh() {
     let r = moe::route(&[0.5, 0.5, 0.5], 3, &[0.0; 3], 1, true, 1.0);
     assert_eq!(r.ids, vec![0]);
 }
+
+#[test]
+fn mxfp4_dequant_is_bit_exact_on_tiny_a_experts() {
+    let ck = common::checkpoint(&common::tiny_a_dir());
+    let c = &ck.config().text_config;
+    let mut n = 0;
+    for l in c.first_k_dense_replace..c.num_hidden_layers {
+        for e in 0..c.num_experts {
+            for w in ["w1", "w2", "w3"] {
+                let x = ck.expert(l, e, w).unwrap();
+                let ours = moe::dequant_mxfp4(&x);
+                let theirs = x.decode();
+                assert!(ours.iter().zip(&theirs).all(|(a, b)| a.to_bits() == b.to_bits()), "layer {l} expert {e} {w}");
+                n += 1;
+            }
+        }
+    }
+    assert_eq!(n, 8 * 16 * 3);
+}

@@ -130,7 +130,13 @@ impl Backend for CpuBackend {
                 x.w2.out_features,
                 x.w2.in_features
             );
-            out.push(moe::DenseExpert { inter, latent, w1: x.w1.decode(), w3: x.w3.decode(), w2: x.w2.decode() });
+            out.push(moe::DenseExpert {
+                inter,
+                latent,
+                w1: moe::dequant_mxfp4(&x.w1),
+                w3: moe::dequant_mxfp4(&x.w3),
+                w2: moe::dequant_mxfp4(&x.w2),
+            });
         }
         Ok(CpuExperts { experts: out })
     }

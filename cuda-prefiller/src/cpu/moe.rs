@@ -3,9 +3,34 @@
 
 use rayon::prelude::*;
 
+use k3_protocol::mxfp4::{e2m1, e8m0, Mxfp4Weight, GROUP};
+
 use super::act::{sigmoid, situ};
 use super::gemm::gemm;
 use crate::backend::Routing;
+
+/// Dequantises an MXFP4 weight to row-major f32 `[out, in]`, bit-identical to
+/// `Mxfp4Weight::decode` (same products `e2m1(code) · 2^(e−127)`), through a byte → pair table
+/// and in parallel over rows.
+pub fn dequant_mxfp4(w: &Mxfp4Weight<'_>) -> Vec<f32> {
+    let lut: Vec<[f32; 2]> = (0..=255u8).map(|b| [e2m1(b & 0x0f), e2m1(b >> 4)]).collect();
+    let (inf, half, groups) = (w.in_features, w.in_features / 2, w.in_features / GROUP);
+    let mut out = vec![0.0f32; w.out_features * inf];
+    out.par_chunks_mut(inf.max(1)).enumerate().for_each(|(r, row)| {
+        let packed = &w.packed[r * half..(r + 1) * half];
+        let scales = &w.scale[r * groups..(r + 1) * groups];
+        for (g, &e) in scales.iter().enumerate() {
+            let sc = e8m0(e);
+            let dst = &mut row[g * GROUP..(g + 1) * GROUP];
+            for (j, &b) in packed[g * GROUP / 2..(g + 1) * GROUP / 2].iter().enumerate() {
+                let [lo, hi] = lut[b as usize];
+                dst[2 * j] = lo * sc;
+                dst[2 * j + 1] = hi * sc;
+            }
+        }
+    });
+    out
+}
 
 /// Router over `logits [rows, E]`: `s = σ(logits)`, top-k of `s + bias` (ties: lower index),
 /// weights = selected `s`, renormalised by `Σ + 1e-20` if asked, times `scaling`.
