@@ -44,7 +44,7 @@ fn chunks_of(st: &HandoffState, chunk_bytes: u32) -> Vec<(ChunkHeader, Vec<u8>)>
 
 /// Feeds chunks, collecting completed layers; returns the first error.
 fn assemble(layout: &StateLayout, chunks: &[(ChunkHeader, Vec<u8>)]) -> Result<(StateAssembler, StateCollector), WireError> {
-    let mut asm = StateAssembler::new(REQ, layout.clone(), AssemblerLimits { max_open_layers: 64 });
+    let mut asm = StateAssembler::new(REQ, layout.clone(), AssemblerLimits { max_open_bytes: u64::MAX });
     let mut col = StateCollector::new(layout);
     for (h, p) in chunks {
         if let Some((l, st)) = asm.accept(h, p)? {
@@ -217,17 +217,24 @@ fn totals_must_match_the_senders() {
 }
 
 #[test]
-fn open_layers_are_bounded() {
+fn open_layers_are_bounded_in_bytes() {
     let st = synthetic_state(10, 8);
     let layout = StateLayout::of_state(&st);
+    let kda = layout.layers[0].nbytes().unwrap();
     let chunks = chunks_of(&st, 64);
-    let mut asm = StateAssembler::new(REQ, layout, AssemblerLimits { max_open_layers: 2 });
-    // The first chunk of layers 0, 1, 2: the third opens one layer too many.
-    let firsts: Vec<_> = (0..3).map(|l| chunks.iter().find(|(h, _)| h.layer == l).unwrap().clone()).collect();
+    // Room for two KDA layers in progress.
+    let mut asm = StateAssembler::new(REQ, layout.clone(), AssemblerLimits { max_open_bytes: 2 * kda });
+    let firsts: Vec<_> = [0u32, 1, 3].iter().map(|l| chunks.iter().find(|(h, _)| h.layer == *l).unwrap().clone()).collect();
     asm.accept(&firsts[0].0, &firsts[0].1).unwrap();
     asm.accept(&firsts[1].0, &firsts[1].1).unwrap();
-    assert_eq!(asm.open_layers(), 2);
-    assert!(matches!(asm.accept(&firsts[2].0, &firsts[2].1), Err(WireError::TooManyOpenLayers { layer: 2, open: 2, limit: 2 })));
+    assert_eq!((asm.open_layers(), asm.open_bytes()), (2, 2 * kda));
+    assert!(matches!(asm.accept(&firsts[2].0, &firsts[2].1), Err(WireError::TooManyOpenLayers { layer: 3, open: 2, .. })));
+    // One layer may always be open, however big.
+    let mut asm = StateAssembler::new(REQ, layout.clone(), AssemblerLimits { max_open_bytes: 1 });
+    asm.accept(&firsts[0].0, &firsts[0].1).unwrap();
+    // The bound of a transfer covers three of its largest layers.
+    let l = AssemblerLimits::for_transfer(&layout, 1000);
+    assert_eq!(l.max_open_bytes, 3 * layout.layers.iter().map(|x| x.nbytes().unwrap()).max().unwrap() + 2000);
 }
 
 #[test]

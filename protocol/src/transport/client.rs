@@ -144,7 +144,10 @@ impl PrefillClient {
         expected.validate(tuning.max_state_bytes).map_err(|e| TransferError::Local(format!("expected layout: {e}")))?;
         let (mut send, recv) = self.conn.open_bi().await.map_err(|e| connection_lost(peer, &e))?;
         match &self.cfg.hooks.raw_request {
-            Some(raw) => send.write_all(raw).await.map_err(|e| write_error(peer, e))?,
+            Some(raw) => {
+                send.write_all(raw).await.map_err(|e| write_error(peer, e))?;
+                let _ = send.finish();
+            }
             None => write_message(&mut send, peer, &Message::PrefillRequest(request)).await?,
         }
         let mut ctrl = FramedRecv::new(recv, tuning.max_control_frame, peer);
@@ -294,10 +297,14 @@ impl<'c> Transfer<'c> {
             data_tx,
             tuning.inactivity_timeout,
         ));
+        // What the sender can have in flight: QUIC windows, plus chunks queued in our readers.
+        let in_flight = tuning.receive_window as u64
+            + tuning.stream_receive_window as u64 * accepted.streams as u64
+            + 4 * accepted.streams as u64 * accepted.chunk_bytes as u64;
         let assembler = StateAssembler::new(
             accepted.request,
             accepted.layout.clone(),
-            AssemblerLimits { max_open_layers: tuning.max_open_layers },
+            AssemblerLimits::for_transfer(&accepted.layout, in_flight),
         );
         Transfer {
             client,
@@ -410,12 +417,18 @@ impl<'c> Transfer<'c> {
     async fn fail<T>(&mut self, e: TransferError) -> Result<T, TransferError> {
         tracing::warn!(peer = %self.peer(), request = self.accepted.request, "hand-off failed: {e}");
         self.finished = true;
-        self.tasks.abort_all();
-        let msg = Message::Abort(ErrorMsg { code: e.code(), message: e.to_string() });
-        if let Ok(bytes) = encode_control(&msg) {
-            let _ = tokio::time::timeout(Duration::from_millis(500), self.ctrl_send.write_all(&bytes)).await;
+        // Tell the prefill node first (and wait, briefly, until it has the message), then stop
+        // reading: so it learns the cause rather than just seeing its streams stopped.
+        if !matches!(e, TransferError::ConnectionLost { .. } | TransferError::Aborted { .. }) {
+            let msg = Message::Abort(ErrorMsg { code: e.code(), message: e.to_string() });
+            if let Ok(bytes) = encode_control(&msg) {
+                if let Ok(Ok(())) = tokio::time::timeout(Duration::from_millis(500), self.ctrl_send.write_all(&bytes)).await {
+                    finish_and_flush(&mut self.ctrl_send, Duration::from_secs(1)).await;
+                }
+            }
         }
         let _ = self.ctrl_send.finish();
+        self.tasks.abort_all();
         Err(e)
     }
 

@@ -34,8 +34,6 @@ pub struct Tuning {
     pub max_control_frame: u32,
     /// Largest state accepted in one transfer.
     pub max_state_bytes: u64,
-    /// Receiver: layers with some but not all bytes received at once.
-    pub max_open_layers: usize,
     /// Most parallel data streams per transfer.
     pub max_streams: u16,
 }
@@ -54,7 +52,6 @@ impl Default for Tuning {
             mtu_upper_bound: 1452,
             max_control_frame: DEFAULT_MAX_CONTROL_FRAME,
             max_state_bytes: 64 << 30,
-            max_open_layers: 8,
             max_streams: 16,
         }
     }

@@ -65,7 +65,7 @@ pub(crate) fn connection_lost(peer: SocketAddr, e: &quinn::ConnectionError) -> T
             format!("closed by the peer (code {}): {}", a.error_code, String::from_utf8_lossy(&a.reason))
         }
         C::ConnectionClosed(c) => format!("closed by the peer's QUIC stack: {c}"),
-        C::Reset => "reset by the peer".to_string(),
+        C::Reset => "reset by the peer (it no longer knows this connection)".to_string(),
         C::LocallyClosed => "closed locally".to_string(),
         other => other.to_string(),
     };

@@ -134,6 +134,9 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
             if let Some((got, pinned)) = refused.lock().ok().and_then(|mut g| g.take()) {
                 return Err(TransferError::PeerCertificateNotPinned { peer, got, pinned: fmt_list(&pinned) });
             }
+            if crate::transport::error::is_tls_refusal(&e) {
+                return Err(TransferError::CertificateRefusedByPeer { peer, ours: cfg.identity.fingerprint() });
+            }
             return Err(TransferError::Connect { peer, reason: e.to_string() });
         }
         Err(_) => return Err(TransferError::Connect { peer, reason: "TLS handshake timed out".into() }),
@@ -231,15 +234,19 @@ impl PrefillConnection {
         self.conn.close(quinn::VarInt::from_u32(0), reason.as_bytes());
     }
 
-    /// The next request; Ok(None) when the decoder closed the connection. A malformed or
-    /// invalid request is answered with an Error and returned as Err (the connection stays
-    /// up; calling again waits for the next request).
+    /// The next request; Ok(None) once the connection is over (closed by the decoder, timed
+    /// out, lost: the reason is logged). A malformed or invalid request is answered with an
+    /// Error and returned as Err; the connection stays up and calling again waits for the next
+    /// request, so a serving loop is:
+    /// `loop { match conn.next_request().await { Ok(Some(r)) => .., Ok(None) => break, Err(e) => warn!(..) } }`.
     pub async fn next_request(&mut self) -> Result<Option<IncomingRequest>, TransferError> {
         let peer = self.peer.addr;
         let (mut send, recv) = match self.conn.accept_bi().await {
             Ok(s) => s,
-            Err(quinn::ConnectionError::ApplicationClosed(_)) | Err(quinn::ConnectionError::LocallyClosed) => return Ok(None),
-            Err(e) => return Err(connection_lost(peer, &e)),
+            Err(e) => {
+                tracing::info!(%peer, "decoder connection over: {}", connection_lost(peer, &e));
+                return Ok(None);
+            }
         };
         let mut fr = FramedRecv::new(recv, self.cfg.tuning.max_control_frame, peer);
         let t = self.cfg.tuning.idle_timeout;

@@ -9,8 +9,10 @@
 //! — never before — and [`StateAssembler::finish`] asserts that every layer arrived exactly
 //! once and the totals agree with the sender's `Done`.
 //!
-//! Memory is bounded by `max_open_layers` buffers in progress; completed layers leave the
-//! assembler (streaming) or go into a [`StateCollector`] (whole state).
+//! Memory is bounded: the buffers of layers in progress may total at most
+//! `AssemblerLimits::max_open_bytes` (a sender that spreads its chunks over more layers than
+//! its flow-control window explains is refused); completed layers leave the assembler
+//! (streaming) or go into a [`StateCollector`] (whole state).
 
 use std::collections::BTreeMap;
 
@@ -78,13 +80,25 @@ enum Slot {
 /// Limits of a receiver.
 #[derive(Debug, Clone, Copy)]
 pub struct AssemblerLimits {
-    /// Layers with some but not all bytes received at once.
-    pub max_open_layers: usize,
+    /// Total bytes of the buffers of layers with some but not all bytes received. One layer
+    /// may always be open, whatever its size.
+    pub max_open_bytes: u64,
 }
 
 impl Default for AssemblerLimits {
     fn default() -> Self {
-        AssemblerLimits { max_open_layers: 8 }
+        AssemblerLimits { max_open_bytes: 1 << 30 }
+    }
+}
+
+impl AssemblerLimits {
+    /// The bound for a transfer: a sender keeps at most `in_flight` bytes unacknowledged (QUIC
+    /// windows plus queued chunks), so the chunks still missing span at most that many bytes
+    /// of layers beyond the two it is between; three largest layers plus twice `in_flight`
+    /// leave room for reordering across streams.
+    pub fn for_transfer(layout: &StateLayout, in_flight: u64) -> AssemblerLimits {
+        let largest = layout.layers.iter().filter_map(|l| l.nbytes()).max().unwrap_or(0);
+        AssemblerLimits { max_open_bytes: largest.saturating_mul(3).saturating_add(in_flight.saturating_mul(2)) }
     }
 }
 
@@ -102,6 +116,7 @@ pub struct StateAssembler {
     layout: StateLayout,
     slots: Vec<Slot>,
     open: usize,
+    open_bytes: u64,
     limits: AssemblerLimits,
     totals: AssemblyTotals,
 }
@@ -109,7 +124,7 @@ pub struct StateAssembler {
 impl StateAssembler {
     pub fn new(request: u64, layout: StateLayout, limits: AssemblerLimits) -> StateAssembler {
         let slots = layout.layers.iter().map(|_| Slot::Pending).collect();
-        StateAssembler { request, layout, slots, open: 0, limits, totals: AssemblyTotals::default() }
+        StateAssembler { request, layout, slots, open: 0, open_bytes: 0, limits, totals: AssemblyTotals::default() }
     }
 
     pub fn layout(&self) -> &StateLayout {
@@ -123,6 +138,11 @@ impl StateAssembler {
     /// Layers in progress.
     pub fn open_layers(&self) -> usize {
         self.open
+    }
+
+    /// Bytes of the buffers of layers in progress.
+    pub fn open_bytes(&self) -> u64 {
+        self.open_bytes
     }
 
     pub fn is_complete(&self) -> bool {
@@ -157,13 +177,19 @@ impl StateAssembler {
             return Err(WireError::LayerAlreadyComplete { layer: h.layer });
         }
         if matches!(self.slots[li], Slot::Pending) {
-            if self.open >= self.limits.max_open_layers {
-                return Err(WireError::TooManyOpenLayers { layer: h.layer, open: self.open, limit: self.limits.max_open_layers });
+            if self.open > 0 && self.open_bytes.saturating_add(layer_bytes) > self.limits.max_open_bytes {
+                return Err(WireError::TooManyOpenLayers {
+                    layer: h.layer,
+                    open: self.open,
+                    open_bytes: self.open_bytes,
+                    limit: self.limits.max_open_bytes,
+                });
             }
             let state = layout.alloc();
             let received = layout.parts().iter().map(|p| (*p, RangeSet::default())).collect();
             self.slots[li] = Slot::Open { state, received, remaining: layer_bytes };
             self.open += 1;
+            self.open_bytes += layer_bytes;
         }
         let Slot::Open { state, received, remaining } = &mut self.slots[li] else {
             return Err(WireError::Layout(format!("layer {li}: slot in an impossible state")));
@@ -192,6 +218,7 @@ impl StateAssembler {
                 return Err(WireError::Layout(format!("layer {li}: slot in an impossible state")));
             };
             self.open -= 1;
+            self.open_bytes -= layer_bytes;
             self.totals.layers += 1;
             return Ok(Some((h.layer, state)));
         }

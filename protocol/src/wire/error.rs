@@ -35,8 +35,8 @@ pub enum WireError {
     Overlap { layer: u32, part: Part, offset: u64, len: u32, prev_start: u64, prev_end: u64 },
     #[error("chunk for layer {layer}, which already arrived complete")]
     LayerAlreadyComplete { layer: u32 },
-    #[error("too many layers open at once ({open}, limit {limit}): layer {layer} started before earlier ones finished")]
-    TooManyOpenLayers { layer: u32, open: usize, limit: usize },
+    #[error("layer {layer} started while {open} layers ({open_bytes} bytes) are unfinished, over the limit of {limit} bytes")]
+    TooManyOpenLayers { layer: u32, open: usize, open_bytes: u64, limit: u64 },
     #[error("state incomplete: {0}")]
     Incomplete(String),
     #[error("totals differ: the sender says {what} {said}, received {got}")]
