@@ -104,7 +104,18 @@ __device__ __forceinline__ void dequant16(uint2 p, u8 s, u32* o) {
         }
 }
 
-template <bool FUSED>
+__device__ __forceinline__ u32 smem_addr_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void ldsm_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr_u32(p)));
+}
+
+// LDSM = true loads the fragments with ldmatrix (4x fewer shared-memory instructions).
+template <bool FUSED, bool LDSM>
 __device__ __forceinline__ void expert_gemm_mma(const bf16_t* __restrict__ X, const int* __restrict__ tile_expert,
         const int* __restrict__ tile_row0, const int* __restrict__ tile_count, const int* __restrict__ offsets,
         const u8* __restrict__ wbase, i64 estride, i64 off_p, i64 off_s, i64 off_p2, i64 off_s2,
@@ -178,20 +189,35 @@ __device__ __forceinline__ void expert_gemm_mma(const bf16_t* __restrict__ X, co
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             u32 af[2][4], bfr[8][2];
+            if (LDSM) {
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                int r = wm * 32 + 16 * i + g;
-                const bf16_t* p = &As[r * M_LD + kk * 16 + 2 * t4];
-                af[i][0] = *(const u32*)(p);
-                af[i][1] = *(const u32*)(p + 8 * M_LD);
-                af[i][2] = *(const u32*)(p + 8);
-                af[i][3] = *(const u32*)(p + 8 * M_LD + 8);
-            }
+                for (int i = 0; i < 2; ++i)
+                    ldsm_x4(af[i], &As[(wm * 32 + 16 * i + (lane & 15)) * M_LD + kk * 16 + (lane >> 4) * 8]);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const bf16_t* p = &Bs[(brow_base[j] + g) * M_LD + kk * 16 + 2 * t4];
-                bfr[j][0] = *(const u32*)(p);
-                bfr[j][1] = *(const u32*)(p + 8);
+                for (int j = 0; j < 8; j += 2) {
+                    int mi = lane >> 3;
+                    u32 r4[4];
+                    int jj = j + (mi >> 1);
+                    int rb = FUSED ? (jj < 4 ? wn * 32 + 8 * jj : 64 + wn * 32 + 8 * (jj - 4)) : wn * 64 + 8 * jj;
+                    ldsm_x4(r4, &Bs[(rb + (lane & 7)) * M_LD + kk * 16 + (mi & 1) * 8]);
+                    bfr[j][0] = r4[0]; bfr[j][1] = r4[1]; bfr[j + 1][0] = r4[2]; bfr[j + 1][1] = r4[3];
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    int r = wm * 32 + 16 * i + g;
+                    const bf16_t* p = &As[r * M_LD + kk * 16 + 2 * t4];
+                    af[i][0] = *(const u32*)(p);
+                    af[i][1] = *(const u32*)(p + 8 * M_LD);
+                    af[i][2] = *(const u32*)(p + 8);
+                    af[i][3] = *(const u32*)(p + 8 * M_LD + 8);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const bf16_t* p = &Bs[(brow_base[j] + g) * M_LD + kk * 16 + 2 * t4];
+                    bfr[j][0] = *(const u32*)(p);
+                    bfr[j][1] = *(const u32*)(p + 8);
+                }
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i)
@@ -229,20 +255,24 @@ __device__ __forceinline__ void expert_gemm_mma(const bf16_t* __restrict__ X, co
         }
 }
 
-// Fused gate/up + SiTU: H[rows, N] (bf16) = situ(X W1^T, X W3^T). Grid: (ceil(N/64), max tiles).
-extern "C" __global__ void __launch_bounds__(256) expert_gateup_bf16(const bf16_t* __restrict__ X,
-        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_count,
-        const int* __restrict__ offsets, const u8* __restrict__ wbase, i64 estride, i64 off_p, i64 off_s,
-        i64 off_p2, i64 off_s2, int e_lo, int e_hi, int N, int K, bf16_t* __restrict__ out, float b1, float b2) {
-    expert_gemm_mma<true>(X, tile_expert, tile_row0, tile_count, offsets, wbase, estride, off_p, off_s, off_p2,
-                          off_s2, e_lo, e_hi, N, K, out, b1, b2);
+#define EXPERT_KERNELS(SUFFIX, LDSM)                                                                          \
+extern "C" __global__ void __launch_bounds__(256, 2) expert_gateup_bf16##SUFFIX(const bf16_t* __restrict__ X,        \
+        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_count,  \
+        const int* __restrict__ offsets, const u8* __restrict__ wbase, i64 estride, i64 off_p, i64 off_s,            \
+        i64 off_p2, i64 off_s2, int e_lo, int e_hi, int N, int K, bf16_t* __restrict__ out, float b1, float b2) {    \
+    expert_gemm_mma<true, LDSM>(X, tile_expert, tile_row0, tile_count, offsets, wbase, estride, off_p, off_s, off_p2, \
+                                off_s2, e_lo, e_hi, N, K, out, b1, b2);                                              \
+}                                                                                                                    \
+extern "C" __global__ void __launch_bounds__(256, 2) expert_down_bf16##SUFFIX(const bf16_t* __restrict__ X,          \
+        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_count,  \
+        const int* __restrict__ offsets, const u8* __restrict__ wbase, i64 estride, i64 off_p, i64 off_s,            \
+        int e_lo, int e_hi, int N, int K, float* __restrict__ out) {                                                 \
+    expert_gemm_mma<false, LDSM>(X, tile_expert, tile_row0, tile_count, offsets, wbase, estride, off_p, off_s, 0, 0, \
+                                 e_lo, e_hi, N, K, out, 0.0f, 0.0f);                                                 \
 }
 
-// Down projection: Y[rows, N] (f32) = X W2^T. Grid: (ceil(N/128), max tiles).
-extern "C" __global__ void __launch_bounds__(256) expert_down_bf16(const bf16_t* __restrict__ X,
-        const int* __restrict__ tile_expert, const int* __restrict__ tile_row0, const int* __restrict__ tile_count,
-        const int* __restrict__ offsets, const u8* __restrict__ wbase, i64 estride, i64 off_p, i64 off_s,
-        int e_lo, int e_hi, int N, int K, float* __restrict__ out) {
-    expert_gemm_mma<false>(X, tile_expert, tile_row0, tile_count, offsets, wbase, estride, off_p, off_s, 0, 0,
-                           e_lo, e_hi, N, K, out, 0.0f, 0.0f);
-}
+// Fused gate/up + SiTU: H[rows, N] (bf16) = situ(X W1^T, X W3^T), grid (ceil(N/64), max tiles);
+// down projection: Y[rows, N] (f32) = X W2^T, grid (ceil(N/128), max tiles).
+// Suffix-less kernels load fragments with ldmatrix; *_lds32 with 32-bit shared loads (first version).
+EXPERT_KERNELS(, true)
+EXPERT_KERNELS(_lds32, false)

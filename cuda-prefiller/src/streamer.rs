@@ -38,6 +38,11 @@ pub struct Part {
 pub trait WeightSource: Sync {
     /// Copies `out.len()` bytes of region `src` at `offset` into `out`.
     fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()>;
+    /// The address of `len` bytes of region `src` at `offset` when they sit in page-locked
+    /// memory the GPU can read directly (then no staging copy is needed).
+    fn pinned(&self, _src: usize, _offset: u64, _len: usize) -> Option<*const u8> {
+        None
+    }
 }
 
 /// The shard files of a checkpoint, read with `pread` (page cache or disk).
@@ -73,8 +78,23 @@ impl WeightSource for ShardFiles {
     }
 }
 
-/// Host memory regions (synthetic models; a model already in RAM).
-pub struct HostRegions(pub Vec<Arc<Vec<u8>>>);
+/// Host memory regions (synthetic models; a model already in RAM). With [`HostRegions::pin`]
+/// they are page-locked and the GPU copies straight from them.
+pub struct HostRegions(pub Vec<Arc<Vec<u8>>>, pub bool);
+
+impl HostRegions {
+    pub fn new(regions: Vec<Arc<Vec<u8>>>) -> Self {
+        HostRegions(regions, false)
+    }
+    /// Page-locks every region (cuMemHostRegister); the streamer then skips the staging copy.
+    pub fn pin(&mut self, gpu: &Gpu) -> Result<()> {
+        for r in &self.0 {
+            gpu.register_host(r.as_ptr(), r.len())?;
+        }
+        self.1 = true;
+        Ok(())
+    }
+}
 
 impl WeightSource for HostRegions {
     fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()> {
@@ -83,6 +103,10 @@ impl WeightSource for HostRegions {
         ensure!(o + out.len() <= r.len(), "host region {src}: {}+{} past its {} bytes", o, out.len(), r.len());
         out.copy_from_slice(&r[o..o + out.len()]);
         Ok(())
+    }
+    fn pinned(&self, src: usize, offset: u64, len: usize) -> Option<*const u8> {
+        let r = self.0.get(src)?;
+        (self.1 && offset as usize + len <= r.len()).then(|| r[offset as usize..].as_ptr())
     }
 }
 
@@ -133,6 +157,17 @@ impl WeightStreamer {
         }
         let cap = self.stage_bytes();
         let mut stats = UploadStats::default();
+        // page-locked sources: DMA straight from them
+        if parts.iter().all(|p| src.pinned(p.src, p.offset, p.len).is_some()) {
+            for p in parts {
+                let ptr = src.pinned(p.src, p.offset, p.len).expect("checked above");
+                self.gpu.htod_async_raw(dst + p.dst as u64, ptr, p.len, copy)?;
+                stats.bytes += p.len;
+            }
+            let done = self.gpu.event()?;
+            done.record(copy)?;
+            return Ok((done, stats));
+        }
         // Greedy packing of parts (split where larger than a staging buffer) into stages.
         let mut pieces: Vec<(usize, u64, usize, usize, usize)> = Vec::new(); // (src, off, len, dst, part idx)
         for (pi, p) in parts.iter().enumerate() {

@@ -62,8 +62,12 @@ pub struct Args {
     #[arg(long, default_value_t = 16384)]
     pub chunk_tokens: usize,
     /// Reader threads of the streamer.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     pub readers: usize,
+    /// Projection: keep the host weight images page-locked and DMA straight from them (a model
+    /// held in pinned RAM) instead of copying through the staging buffers (a model in page cache).
+    #[arg(long)]
+    pub pinned_source: bool,
     /// Bytes per pinned staging buffer, MiB (two are allocated).
     #[arg(long, default_value_t = 512)]
     pub stage_mib: usize,
@@ -234,7 +238,12 @@ fn project(args: &Args) -> Result<()> {
     let attn: Vec<Attn> = (0..args.layers).map(|i| if i % 4 == 3 { Attn::Mla } else { Attn::Kda }).collect();
     let t0 = Instant::now();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
-    let regions = HostRegions(vec![Arc::new(lay[0].dense_image()), Arc::new(lay[1].dense_image()), Arc::new(lay[0].experts_image(7, threads))]);
+    let mut regions = HostRegions::new(vec![Arc::new(lay[0].dense_image()), Arc::new(lay[1].dense_image()), Arc::new(lay[0].experts_image(7, threads))]);
+    if args.pinned_source {
+        let t1 = Instant::now();
+        regions.pin(&b.gpu)?;
+        eprintln!("host images page-locked in {:.1} s: the streamer copies straight from them", t1.elapsed().as_secs_f64());
+    }
     let host_gb = regions.0.iter().map(|r| r.len()).sum::<usize>() as f64 / 1e9;
     eprintln!("host weight images: {host_gb:.1} GB in {:.1} s", t0.elapsed().as_secs_f64());
     // slots
@@ -557,6 +566,10 @@ struct KernelRow {
     kda_tflops: f64,
     mla_ms: f64,
     mla_tflops: f64,
+    /// Routed-expert GEMMs (gate/up + SiTU, down) over min(tokens, 32768) tokens x 16 experts.
+    moe_tokens: usize,
+    moe_ms: f64,
+    moe_tflops: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -630,7 +643,56 @@ fn kernels(args: &Args) -> Result<()> {
         }
         let mla_ms = median(times);
         let mflops = 2.0 * (t as f64 * (t as f64 + 1.0) / 2.0) * (h * (dqk + dv)) as f64;
-        let r = KernelRow { tokens: t, kda_ms, kda_tflops: kflops / kda_ms / 1e9, mla_ms, mla_tflops: mflops / mla_ms / 1e9 };
+        drop((qb, kb, vb, out));
+        // routed experts at K3 widths, uniform routing, all 896 experts resident
+        let d3 = Dims::of(
+            &k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
+                .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
+                .text_config,
+        );
+        let lay = crate::cuda::backend::ExpertLayout::new(d3.inter, d3.latent)?;
+        let arena = g.alloc_sync(lay.stride * d3.experts)?;
+        unsafe {
+            crate::cuda::gpu::ck(cudarc::driver::sys::cuMemsetD8_v2(arena.ptr, 0x77, arena.bytes), "filling the expert arena")?;
+        }
+        let tm = t.min(32768);
+        let ids: Vec<i32> = (0..tm * d3.top_k).map(|i| (((i / d3.top_k) * 7919 + (i % d3.top_k) * 56) % d3.experts) as i32).collect();
+        let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
+        let w_d = b.upload_bytes(bytemuck::cast_slice(&vec![1.0f32 / d3.top_k as f32; tm * d3.top_k]))?;
+        let xl = b.upload(&rnd(tm * d3.latent, 9, -1.0, 1.0), tm, d3.latent)?;
+        let plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d3.top_k, d3.experts, &lay)?;
+        let mut moe_ms = f64::NAN;
+        for variant in ["_lds32", ""] {
+            let mut bv = CudaBackend::new(Precision::Bf16)?;
+            bv.moe_variant = variant;
+            let mut times = Vec::new();
+            for rep in 0..=args.reps {
+                let e0 = g.event()?;
+                let e1 = g.event()?;
+                e0.record(g.stream())?;
+                bv.moe_run_chunk(&plan, &lay, arena.ptr, 0, d3.experts, d3.betas, None)?;
+                e1.record(g.stream())?;
+                e1.sync()?;
+                if rep > 0 {
+                    times.push(e0.ms_to(&e1)? as f64);
+                }
+            }
+            let ms = median(times);
+            eprintln!("expert GEMMs{variant}: {ms:.1} ms at {tm} tokens");
+            moe_ms = ms;
+        }
+        let eflops = (tm * d3.top_k) as f64 * 3.0 * 2.0 * (d3.inter * d3.latent) as f64;
+        drop((plan, xl, arena));
+        let r = KernelRow {
+            tokens: t,
+            kda_ms,
+            kda_tflops: kflops / kda_ms / 1e9,
+            mla_ms,
+            mla_tflops: mflops / mla_ms / 1e9,
+            moe_tokens: tm,
+            moe_ms,
+            moe_tflops: eflops / moe_ms / 1e9,
+        };
         println!("{}", serde_json::to_string(&r)?);
         rows.push(r);
     }

@@ -223,6 +223,9 @@ pub struct CudaBackend {
     blas: Blas,
     pub precision: Precision,
     pub parts: Bf16Parts,
+    /// Kernel-name suffix of the BF16 expert GEMMs: `""` (ldmatrix fragments, default) or
+    /// `"_lds32"` (the first version, 32-bit shared loads); `K3_MOE_KERNEL=lds32` selects it.
+    pub moe_variant: &'static str,
 }
 
 impl CudaBackend {
@@ -242,7 +245,8 @@ impl CudaBackend {
     pub fn with_parts(precision: Precision, parts: Bf16Parts) -> Result<Self> {
         let gpu = Gpu::open()?;
         let blas = Blas::new(gpu.stream())?;
-        Ok(CudaBackend { gpu, blas, precision, parts })
+        let moe_variant = if std::env::var("K3_MOE_KERNEL").as_deref() == Ok("lds32") { "_lds32" } else { "" };
+        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant })
     }
 
     /// BF16 experts (mma kernel, bf16 grouped activations).
@@ -326,11 +330,11 @@ impl CudaBackend {
         let b2 = betas.linear_beta.unwrap_or(0.0);
         let bf = self.bf16();
         k::expert_gemm(
-            &self.gpu, stream, bf, true, plan.xg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
+            &self.gpu, self.moe_variant, stream, bf, true, plan.xg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
             plan.max_tiles, wbase, layout.stride, layout.w1, layout.w3, e_lo, e_hi, layout.inter, layout.latent, plan.hg.ptr, betas.beta, b2,
         )?;
         k::expert_gemm(
-            &self.gpu, stream, bf, false, plan.hg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
+            &self.gpu, self.moe_variant, stream, bf, false, plan.hg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
             plan.max_tiles, wbase, layout.stride, layout.w2, layout.w2, e_lo, e_hi, layout.latent, layout.inter, plan.yg.ptr, 0.0, 0.0,
         )
     }

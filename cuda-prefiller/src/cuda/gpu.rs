@@ -278,6 +278,22 @@ impl Gpu {
         Ok(PinnedBuf { ptr: p as *mut u8, bytes, gpu: self.clone() })
     }
 
+    /// Page-locks existing host memory for direct DMA (stays registered for the process).
+    pub fn register_host(&self, ptr: *const u8, bytes: usize) -> Result<()> {
+        self.bind()?;
+        unsafe {
+            ck(
+                sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE),
+                &format!("page-locking {bytes} bytes of host memory"),
+            )
+        }
+    }
+
+    /// Async host-to-device copy from page-locked memory on `stream`.
+    pub fn htod_async_raw(&self, dst: sys::CUdeviceptr, src: *const u8, bytes: usize, stream: sys::CUstream) -> Result<()> {
+        unsafe { ck(sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream), "host-to-device copy (pinned source)") }
+    }
+
     pub fn event(&self) -> Result<Event> {
         self.bind()?;
         let mut e = std::ptr::null_mut();

@@ -352,6 +352,7 @@ pub const BF16_BM: usize = 128;
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gemm(
     gpu: &Gpu,
+    variant: &str,
     stream: Option<CUstream>,
     bf16: bool,
     fused: bool,
@@ -405,7 +406,8 @@ pub fn expert_gemm(
         return gpu.launch_on(stream, f, (blocks(n, 32)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_gemm_f32");
     }
     if fused {
-        let f = gpu.func("moe_gemm", &[], "expert_gateup_bf16")?;
+        let name = format!("expert_gateup_bf16{variant}");
+        let f = gpu.func("moe_gemm", &[], &name)?;
         let mut a = KArgs::new()
             .arg(x)
             .arg(tile_expert)
@@ -425,9 +427,10 @@ pub fn expert_gemm(
             .arg(out)
             .arg(b1)
             .arg(b2);
-        gpu.launch_on(stream, f, (blocks(n, 64)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_gateup_bf16")
+        gpu.launch_on(stream, f, (blocks(n, 64)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
     } else {
-        let f = gpu.func("moe_gemm", &[], "expert_down_bf16")?;
+        let name = format!("expert_down_bf16{variant}");
+        let f = gpu.func("moe_gemm", &[], &name)?;
         let mut a = KArgs::new()
             .arg(x)
             .arg(tile_expert)
@@ -443,6 +446,6 @@ pub fn expert_gemm(
             .arg(n as i32)
             .arg(k as i32)
             .arg(out);
-        gpu.launch_on(stream, f, (blocks(n, 128)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_down_bf16")
+        gpu.launch_on(stream, f, (blocks(n, 128)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
     }
 }
