@@ -72,7 +72,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let metrics = Arc::new(Metrics::new());
     let dir = args.model.clone();
-    let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) };
+    let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), ..Default::default() };
     let max_context = args.max_context;
     let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
     let engine = EngineHandle::spawn(move || MlxEngine::load(&dir, opts, max_context), store, metrics.clone())?;
