@@ -113,6 +113,9 @@ struct Row {
     wire: u64,
     udp_tx: u64,
     first_layer_s: f64,
+    mtu: u16,
+    lost_bytes: u64,
+    datagrams: u64,
 }
 
 async fn run_once(layout: &StateLayout, shapes: &[(LayerLayout, Arc<LayerState>, u32)], streams: u16, a: &Args) -> Row {
@@ -139,7 +142,7 @@ async fn run_once(layout: &StateLayout, shapes: &[(LayerLayout, Arc<LayerState>,
             tx.send_layer(l, st).await.unwrap();
         }
         let t = tx.finish(Timing::default(), None).await.unwrap();
-        (t, conn.stats().udp_tx.bytes)
+        (t, conn.stats())
     });
     let mut client = PrefillClient::connect(addr, ccfg).await.unwrap();
     let rows = layout.rows().unwrap_or(0) as usize;
@@ -171,10 +174,20 @@ async fn run_once(layout: &StateLayout, shapes: &[(LayerLayout, Arc<LayerState>,
     let secs = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
     drop(t);
-    let (timing, udp_tx) = srv.await.unwrap();
+    let (timing, st) = srv.await.unwrap();
     let s = summary.unwrap();
     client.close().await;
-    Row { streams, secs, state: timing.state_bytes, wire: timing.wire_bytes, udp_tx, first_layer_s: s.first_layer_s.unwrap_or(0.0) }
+    Row {
+        streams,
+        secs,
+        state: timing.state_bytes,
+        wire: timing.wire_bytes,
+        udp_tx: st.udp_tx.bytes,
+        first_layer_s: s.first_layer_s.unwrap_or(0.0),
+        mtu: st.path.current_mtu,
+        lost_bytes: st.path.lost_bytes,
+        datagrams: st.udp_tx.datagrams,
+    }
 }
 
 fn main() {
@@ -203,19 +216,22 @@ fn main() {
     for &s in &a.streams {
         rows.push(rt.block_on(run_once(&layout, &shapes, s, &a)));
     }
-    println!("| streams | state GiB | seconds | Gbit/s | first layer s | protocol overhead | UDP-level overhead |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| streams | state GiB | seconds | Gbit/s | first layer s | protocol overhead | UDP bytes overhead | path MTU | lost (retransmitted) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {:.3} | {:.2} | {:.2} | {:.3} | {:.4}% | {:.2}% |",
+            "| {} | {:.3} | {:.2} | {:.2} | {:.3} | {:.4}% | {:.2}% | {} | {:.2}% |",
             r.streams,
             r.state as f64 / (1u64 << 30) as f64,
             r.secs,
             r.state as f64 * 8.0 / r.secs / 1e9,
             r.first_layer_s,
             (r.wire as f64 / r.state as f64 - 1.0) * 100.0,
-            (r.udp_tx as f64 / r.state as f64 - 1.0) * 100.0
+            (r.udp_tx as f64 / r.state as f64 - 1.0) * 100.0,
+            r.mtu,
+            r.lost_bytes as f64 / r.state as f64 * 100.0
         );
+        let _ = r.datagrams;
     }
     println!("peak RSS of this process (both nodes): {} MiB", vm_hwm_mib());
 }

@@ -72,7 +72,7 @@ impl PrefillClient {
             (true, true) => (std::net::Ipv6Addr::LOCALHOST, 0).into(),
             (true, false) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
         };
-        let endpoint = quinn::Endpoint::client(bind).map_err(|e| TransferError::Connect { peer: addr, reason: format!("binding {bind}: {e}") })?;
+        let endpoint = cfg.tuning.endpoint(bind, None).map_err(|e| TransferError::Connect { peer: addr, reason: format!("binding {bind}: {e}") })?;
         let connecting = endpoint
             .connect_with(cc, addr, "k3-offload")
             .map_err(|e| TransferError::Connect { peer: addr, reason: e.to_string() })?;

@@ -58,6 +58,18 @@ impl Default for Tuning {
 }
 
 impl Tuning {
+    /// A quinn endpoint on `addr` whose UDP payloads may reach `mtu_upper_bound` (quinn's
+    /// default caps them at 1472 bytes whatever the path allows).
+    pub(crate) fn endpoint(&self, addr: std::net::SocketAddr, server: Option<quinn::ServerConfig>) -> std::io::Result<quinn::Endpoint> {
+        let mut ec = quinn::EndpointConfig::default();
+        ec.max_udp_payload_size(self.mtu_upper_bound.clamp(1472, 65_527))
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let socket = std::net::UdpSocket::bind(addr)?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::Other, "no async runtime (call from inside tokio)"))?;
+        quinn::Endpoint::new(ec, server, socket, runtime)
+    }
+
     pub(crate) fn quinn_transport(&self) -> quinn::TransportConfig {
         let mut t = quinn::TransportConfig::default();
         t.max_idle_timeout(quinn::IdleTimeout::try_from(self.idle_timeout).ok());

@@ -78,7 +78,7 @@ impl PrefillServer {
             .map_err(|e| TransferError::Identity(format!("QUIC TLS config: {e}")))?;
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(Arc::new(cfg.tuning.quinn_transport()));
-        let endpoint = quinn::Endpoint::server(sc, addr)
+        let endpoint = cfg.tuning.endpoint(addr, Some(sc))
             .map_err(|e| TransferError::Local(format!("cannot listen on {addr}: {e}")))?;
         tracing::info!(
             addr = %endpoint.local_addr().map(|a| a.to_string()).unwrap_or_default(),
