@@ -1,6 +1,6 @@
 //! `k3-prefill forward` end to end on tiny-a: the output file holds exactly the golden names,
 //! shapes and values (logits, hand-off state, hidden.* with --dump-hidden), continuation from
-//! a session file gives split.logits, and `--backend cuda` fails clearly for now.
+//! a session file gives split.logits, and `--backend cuda` without a GPU and bad ids fail clearly.
 
 mod common;
 
@@ -93,7 +93,7 @@ fn forward_continues_from_a_session_file() {
 }
 
 #[test]
-fn forward_rejects_cuda_and_bad_ids_clearly() {
+fn forward_cuda_without_gpu_and_bad_ids_fail_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let ids = write_ids(dir.path(), "ids.json", &[1, 2, 3]);
     let out = dir.path().join("o.safetensors");
@@ -106,8 +106,17 @@ fn forward_rejects_cuda_and_bad_ids_clearly() {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not available"), "{}", String::from_utf8_lossy(&o.stderr));
+    match cuda_prefiller::cuda::probe() {
+        // No usable GPU here: the CUDA backend must say so, naming CUDA.
+        Err(_) => {
+            assert!(!o.status.success());
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(err.contains("CUDA") && err.contains("error"), "{err}");
+            assert!(!out.exists());
+        }
+        Ok(_) => assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr)),
+    }
+    let _ = std::fs::remove_file(&out);
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "[1, -2, 3]").unwrap();
     let o = k3_prefill().args(["forward", "--backend", "cpu", "--model"]).arg(tiny_a_dir()).arg("--input-ids").arg(&bad).arg("--out").arg(&out).output().unwrap();
