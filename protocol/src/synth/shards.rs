@@ -20,6 +20,9 @@ use crate::tensors::TensorSpec;
 fn batch_bytes() -> usize {
     (rayon::current_num_threads() * (8 << 20)).max(32 << 20)
 }
+/// Generated pieces `(tensor index, bytes)` of a batch of units, in file order.
+type Batch = Vec<Vec<(usize, Vec<u8>)>>;
+
 /// Units per batch at most.
 const BATCH_UNITS: usize = 512;
 
@@ -133,7 +136,7 @@ fn write_pieces(
     dir: &Path,
     specs: &[TensorSpec],
     plans: &[ShardPlan],
-    rx: std::sync::mpsc::Receiver<Vec<Vec<(usize, Vec<u8>)>>>,
+    rx: std::sync::mpsc::Receiver<Batch>,
     pb: &ProgressBar,
 ) -> Result<(), SynthError> {
     let mut shard_of = vec![0usize; specs.len()];
@@ -207,11 +210,11 @@ pub fn write_shards(
     if start < units.len() {
         batches.push(start..units.len());
     }
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<(usize, Vec<u8>)>>>(1);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Batch>(1);
     let result = std::thread::scope(|scope| {
         let writer = scope.spawn(|| write_pieces(dir, specs, plans, rx, &pb));
         for r in batches {
-            let done: Vec<Vec<(usize, Vec<u8>)>> =
+            let done: Batch =
                 units[r].par_iter().map(|u: &Unit| weights::generate(specs, seed, u)).collect();
             if tx.send(done).is_err() {
                 break; // the writer failed; its error is reported below

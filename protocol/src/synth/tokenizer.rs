@@ -227,7 +227,7 @@ pub fn bpe_ranks(n_base: usize) -> Vec<Vec<u8>> {
         }
     }
     // Larger vocabularies: more merges, each joining two lower-ranked tokens (short ones).
-    let mut rng = Rng::from_parts(0x6b33_746f_6b65_6e, "synthetic tokenizer fill", 0);
+    let mut rng = Rng::from_parts(0x006b_3374_6f6b_656e, "synthetic tokenizer fill", 0);
     while tokens.len() < n_base {
         let n = tokens.len() as u64;
         let a = (rng.next_u64() % n) as usize;
