@@ -189,3 +189,17 @@ pub fn workspace_binary(name: &str) -> PathBuf {
     let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
     dir.join(name)
 }
+
+/// The node's request history once it holds at least `n` records (the node records a request
+/// after the decoder already has its answer, so tests wait a moment for it).
+pub fn records(node: &PrefillNode, n: usize) -> Vec<cuda_prefiller::server::RequestRecord> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let r = node.snapshot().recent;
+        if r.len() >= n {
+            return r;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the node recorded {} requests, expected {n}", r.len());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

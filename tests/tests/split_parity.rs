@@ -47,8 +47,8 @@ fn assert_remote_equals_local(s: &mut Split, prompt: &[u32], n: usize) -> (Vec<u
     assert!(err <= 1e-3, "last logits, node (CPU reference) vs local (MLX): relative error {err:.2e}");
     assert!(top_margin(&local_logits) > 1e-2, "near tie at the first token: the greedy comparison would be meaningless");
     assert_eq!(tokens, local_tokens, "remote-prefill greedy tokens differ from local-prefill ones");
-    let snap = s.node.snapshot();
-    let rec = snap.recent.last().unwrap();
+    let recent = records(&s.node, 1);
+    let rec = recent.last().unwrap();
     assert_eq!(rec.outcome, Outcome::Completed);
     assert_eq!(rec.new_tokens as usize, prompt.len());
     assert_eq!(rec.base_tokens, 0);

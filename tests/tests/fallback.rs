@@ -1,0 +1,156 @@
+//! Whatever goes wrong with the prefill node, the decoder prefills locally and the user gets the
+//! same tokens, with a log line saying why: a node killed mid-transfer, a refusal, another model,
+//! a corrupted chunk (never used), a node that is not there. Each check compares against the
+//! same engine's local prefill, bit for bit where the fallback is exactly that computation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_prefiller::server::{Outcome, ServeOptions};
+use k3_e2e_tests::*;
+use k3_protocol::transport::hooks::FaultHooks;
+use mac_decoder::decode::{Engine, GenerateParams};
+use mac_decoder::remote::{run_turn, Conversation, RemotePrefiller, Route, TurnTiming};
+
+const GEN: usize = 12;
+
+/// One turn through `remote` with the log captured; checks a local fallback happened, the
+/// tokens equal a local-only run, and the state was never touched by the failed transfer.
+fn expect_fallback(engine: &Engine, remote: &mut RemotePrefiller, p: &[u32], cause: &[&str]) -> TurnTiming {
+    let (want_tokens, want_logits) = local_greedy(engine, p, GEN);
+    let mut conv = Conversation::new(engine).unwrap();
+    let (cap, guard) = LogCapture::start();
+    let t = remote.prefill(engine, &mut conv, p, None).unwrap();
+    drop(guard);
+    let log = cap.text();
+    assert_eq!(t.route, Route::Fallback, "expected a fallback: {t:?}");
+    for c in cause {
+        assert!(t.reason.contains(c), "fallback reason {:?} lacks {c:?}", t.reason);
+        assert!(log.contains(c), "the log does not say {c:?}:\n{log}");
+    }
+    assert!(log.contains("WARN") && log.contains("prefilling locally"), "no warning line:\n{log}");
+    // Nothing of the failed transfer reached the session: it is exactly the local prefill.
+    assert_eq!(conv.last_logits().unwrap(), &want_logits[..], "the fallback's logits differ from a plain local prefill");
+    assert_eq!(conv.remote_prefix_tokens(), 0);
+    let out = conv.generate(engine, &GenerateParams::greedy(GEN), |_| true).unwrap();
+    assert_eq!(out.tokens, want_tokens);
+    t
+}
+
+#[test]
+fn node_killed_mid_transfer() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let fp = fingerprint_of(&dir);
+    let (scfg, ccfg) = paired(fp, fp);
+    // Slow layers, so the transfer is surely in progress when the node dies.
+    let opts = ServeOptions { layer_delay: Duration::from_millis(250), ..ServeOptions::default() };
+    let node = start_node(&dir, scfg, opts);
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    let metrics = node.metrics();
+    let killed = Arc::new(AtomicBool::new(false));
+    let k = killed.clone();
+    let killer = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        while metrics.counters().layers_sent < 3 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "the transfer never started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        node.kill(); // no goodbye: like a killed process
+        k.store(true, Ordering::SeqCst);
+    });
+    let p = prompt(51, 200, 1000);
+    let t = expect_fallback(&engine, &mut remote, &p, &["remote prefill on", "connection"]);
+    killer.join().unwrap();
+    assert!(killed.load(Ordering::SeqCst));
+    assert!(t.failed_attempt_s.unwrap() < 10.0, "the dead node was noticed late: {t:?}");
+    // The node stays marked down for a while: the next turn does not wait on it again.
+    let t2 = expect_fallback(&engine, &mut remote, &prompt(52, 100, 1000), &["failed", "retrying after"]);
+    assert!(t2.failed_attempt_s.is_none());
+}
+
+#[test]
+fn node_refuses_the_request() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let fp = fingerprint_of(&dir);
+    let (scfg, ccfg) = paired(fp, fp);
+    let opts = ServeOptions { max_request_tokens: 100, ..ServeOptions::default() };
+    let node = start_node(&dir, scfg, opts);
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    expect_fallback(&engine, &mut remote, &prompt(61, 150, 1000), &["TooLarge", "limit of 100"]);
+    let rec = records(&node, 1)[0].clone();
+    assert!(matches!(rec.outcome, Outcome::Refused { ref code, .. } if code == "TooLarge"), "{rec:?}");
+    // A refusal is an answer: the connection stays and a request the node takes still works.
+    let mut conv = Conversation::new(&engine).unwrap();
+    let t = remote.prefill(&engine, &mut conv, &prompt(62, 80, 1000), None).unwrap();
+    assert_eq!(t.route, Route::Remote, "{}", t.reason);
+    assert_eq!(node.snapshot().counters.connections, 1);
+}
+
+#[test]
+fn node_with_another_model() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    // The fingerprint covers the config and the tensor index (not the data): another shape.
+    let other = synth(99, |o| o.layers = Some(5));
+    let (theirs, ours) = (fingerprint_of(other.path()), fingerprint_of(&dir));
+    assert_ne!(theirs, ours);
+    let (scfg, ccfg) = paired(theirs, ours);
+    let node = start_node(other.path(), scfg, ServeOptions::default());
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    expect_fallback(&engine, &mut remote, &prompt(71, 120, 1000), &["fingerprint mismatch", &theirs.hex()]);
+    assert_eq!(node.snapshot().counters.requests, 0, "no request reached the node");
+    assert!(node.snapshot().counters.handshake_failures >= 1);
+}
+
+#[test]
+fn corrupted_chunk_is_never_used() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let fp = fingerprint_of(&dir);
+    let (scfg, ccfg) = paired(fp, fp);
+    // Chunk 5 gets one payload byte flipped after its checksum was computed.
+    let scfg = k3_protocol::transport::NodeConfig {
+        hooks: Arc::new(FaultHooks { corrupt_chunk: Some(5), ..FaultHooks::default() }),
+        ..scfg
+    };
+    let node = start_node(&dir, scfg, ServeOptions::default());
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    expect_fallback(&engine, &mut remote, &prompt(81, 200, 1000), &["bad data", "checksum"]);
+    // The node learns the transfer failed and keeps nothing for the session.
+    let t0 = Instant::now();
+    while node.snapshot().counters.failed == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the node never saw the transfer fail");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(node.snapshot().sessions.sessions, 0);
+}
+
+#[test]
+fn node_not_there() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let fp = fingerprint_of(&dir);
+    let (_scfg, ccfg) = paired(fp, fp);
+    // A loopback port nobody listens on.
+    let addr = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, addr, ccfg, 1);
+    let (out, t) = {
+        let mut conv = Conversation::new(&engine).unwrap();
+        let (cap, guard) = LogCapture::start();
+        let r = run_turn(&engine, &mut conv, Some(&mut remote), &prompt(91, 100, 1000), None, &GenerateParams::greedy(GEN), |_| true).unwrap();
+        drop(guard);
+        assert!(cap.text().contains("cannot reach"), "{}", cap.text());
+        r
+    };
+    assert_eq!(t.route, Route::Fallback);
+    assert!(t.reason.contains("cannot reach"), "{}", t.reason);
+    assert_eq!(out.tokens, local_greedy(&engine, &prompt(91, 100, 1000), GEN).0);
+}
