@@ -80,10 +80,10 @@ fn a_layer_is_handed_out_only_when_complete() {
     let layout = StateLayout::of_state(&st);
     let chunks = chunks_of(&st, 64);
     let mut asm = StateAssembler::new(REQ, layout.clone(), AssemblerLimits::default());
-    let mut done = vec![false; 5];
+    let mut done = [false; 5];
     for (i, (h, p)) in chunks.iter().enumerate() {
         let out = asm.accept(h, p).unwrap();
-        let last_of_layer = chunks.get(i + 1).map_or(true, |(n, _)| n.layer != h.layer);
+        let last_of_layer = chunks.get(i + 1).is_none_or(|(n, _)| n.layer != h.layer);
         assert_eq!(out.is_some(), last_of_layer, "chunk {i} of layer {}", h.layer);
         if let Some((l, s)) = out {
             assert_eq!(s, st.layers[l as usize]);

@@ -66,7 +66,7 @@ impl Tuning {
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         let socket = std::net::UdpSocket::bind(addr)?;
         let runtime = quinn::default_runtime()
-            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::Other, "no async runtime (call from inside tokio)"))?;
+            .ok_or_else(|| std::io::Error::other("no async runtime (call from inside tokio)"))?;
         quinn::Endpoint::new(ec, server, socket, runtime)
     }
 

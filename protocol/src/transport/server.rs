@@ -527,18 +527,14 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
 
 /// Reads the client's side of the request stream: an Abort (or a reset) cancels the transfer.
 async fn watch_client(mut fr: FramedRecv, shared: Arc<Shared>, peer: SocketAddr, id: u64) {
-    loop {
-        match fr.next_message().await {
-            Ok(Some(Message::Abort(e))) => {
-                tracing::info!(%peer, request = id, "decoder cancelled: {:?}: {}", e.code, e.message);
-                return shared.fail(TransferError::Aborted { peer, code: e.code, message: e.message });
-            }
-            Ok(Some(other)) => {
-                return shared.fail(TransferError::Protocol { peer, reason: format!("unexpected {} during a transfer", other.name()) })
-            }
-            Ok(None) => return, // the client finished its side: nothing more to say
-            Err(e) => return shared.fail(e),
+    match fr.next_message().await {
+        Ok(Some(Message::Abort(e))) => {
+            tracing::info!(%peer, request = id, "decoder cancelled: {:?}: {}", e.code, e.message);
+            shared.fail(TransferError::Aborted { peer, code: e.code, message: e.message })
         }
+        Ok(Some(other)) => shared.fail(TransferError::Protocol { peer, reason: format!("unexpected {} during a transfer", other.name()) }),
+        Ok(None) => {} // the client finished its side: nothing more to say
+        Err(e) => shared.fail(e),
     }
 }
 

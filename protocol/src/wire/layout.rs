@@ -109,7 +109,7 @@ impl LayerLayout {
                 LayerLayout::Kda {
                     heads: k.heads as u32,
                     head_dim: k.head_dim as u32,
-                    window: if w == 0 { 0 } else { (k.conv_q.len() / w) as u32 },
+                    window: k.conv_q.len().checked_div(w).unwrap_or(0) as u32,
                 }
             }
             LayerState::Mla(m) => LayerLayout::Mla { width: m.width as u32, rows: m.rows() as u64 },
