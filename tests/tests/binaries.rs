@@ -1,0 +1,196 @@
+//! The real binaries, as the demo drives them: `k3-prefill serve` on loopback and
+//! `k3-decode generate --prefill-node` (two turns, then two decoders at once), compared with
+//! local runs; and a decoder that is not paired falls back locally with a message saying so.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use k3_e2e_tests::*;
+
+/// Builds (if needed) and returns `k3-prefill` and `k3-decode` of this workspace.
+fn binaries() -> (PathBuf, PathBuf) {
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        let cargo = option_env!("CARGO").unwrap_or("cargo");
+        let status = Command::new(cargo)
+            .args(["build", "--bins", "-p", "cuda-prefiller", "-p", "mac-decoder"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build");
+        assert!(status.success(), "cargo build of the binaries failed");
+    });
+    let (p, d) = (workspace_binary("k3-prefill"), workspace_binary("k3-decode"));
+    assert!(p.exists() && d.exists(), "{} / {} missing", p.display(), d.display());
+    (p, d)
+}
+
+/// A running `k3-prefill serve`, killed on drop; its stderr is kept.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(model: &Path, config_dir: &Path) -> Server {
+    let (prefill, _) = binaries();
+    let mut child = Command::new(prefill)
+        .args(["serve", "--model"])
+        .arg(model)
+        .args(["--listen", "127.0.0.1:0", "--backend", "auto", "--insecure-dev", "--config-dir"])
+        .arg(config_dir)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("starting k3-prefill serve");
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = mpsc::channel();
+    let l = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("k3-prefill: serving on ") {
+                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+            }
+            l.lock().unwrap().push_str(&line);
+            l.lock().unwrap().push('\n');
+        }
+    });
+    let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(a) => a,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("k3-prefill serve did not start:\n{}", log.lock().unwrap());
+        }
+    };
+    Server { child, addr, log }
+}
+
+fn write_ids(dir: &Path, name: &str, ids: &[u32]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, serde_json::to_string(ids).unwrap()).unwrap();
+    p
+}
+
+/// Runs `k3-decode generate` with `args`; returns (stdout JSON, stderr).
+fn generate(model: &Path, args: &[&str]) -> (serde_json::Value, String) {
+    let (_, decode) = binaries();
+    let out = Command::new(decode)
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(["--greedy", "--max-new-tokens", "8"])
+        .args(args)
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("running k3-decode generate");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "k3-decode generate failed:\n{stderr}");
+    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)));
+    (json, stderr)
+}
+
+fn turns(v: &serde_json::Value) -> Vec<Vec<u64>> {
+    serde_json::from_value(v["turns"].clone()).expect("a turns array")
+}
+
+#[test]
+fn serve_and_generate_binaries_match_local() {
+    init_tracing();
+    let model = golden_dir("tiny-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("config");
+    let p1 = write_ids(tmp.path(), "t1.json", &prompt(301, 260, 1000));
+    let p2 = write_ids(tmp.path(), "t2.json", &prompt(302, 50, 1000));
+    let p1s = p1.to_str().unwrap();
+    let p2s = p2.to_str().unwrap();
+    let server = serve(&model, &cfg);
+    let timing = tmp.path().join("timing.json");
+    let cfgs = cfg.to_str().unwrap();
+    let common = ["--input-ids", p1s, "--next-turn", p2s, "--config-dir", cfgs];
+
+    // Two turns through the node.
+    let mut args = common.to_vec();
+    args.extend(["--prefill-node", &server.addr, "--insecure-dev", "--remote-min-tokens", "32", "--timing-json", timing.to_str().unwrap()]);
+    let (remote, stderr) = generate(&model, &args);
+    let t: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&timing).unwrap()).unwrap();
+    assert_eq!(t.len(), 2);
+    for (i, turn) in t.iter().enumerate() {
+        assert_eq!(turn["route"], "remote", "turn {}: {}\n{stderr}", i + 1, turn["reason"]);
+    }
+    assert_eq!(t[1]["prefill_tokens"], 8 + 50, "turn 2 prefills only the generated tokens and its prompt");
+    assert!(stderr.contains("exposed") || stderr.contains("tail"), "no timing table:\n{stderr}");
+    assert!(stderr.contains("remote") && stderr.contains("1st tok"), "no timing table:\n{stderr}");
+
+    // The same conversation, local only.
+    let (local, _) = generate(&model, &common);
+    assert_eq!(turns(&remote), turns(&local), "remote and local conversations differ");
+    assert_eq!(remote["tokens"], local["tokens"]);
+
+    // One turn, the plain contract: {"tokens": [...]} only.
+    let (one, _) = generate(&model, &["--input-ids", p1s, "--prefill-node", &server.addr, "--insecure-dev", "--remote-min-tokens", "1", "--config-dir", cfgs]);
+    assert_eq!(one.as_object().unwrap().len(), 1, "{one}");
+    assert_eq!(one["tokens"], turns(&local)[0].iter().map(|&x| serde_json::json!(x)).collect::<serde_json::Value>());
+
+    // Two decoders at once.
+    let handles: Vec<_> = (0..2)
+        .map(|d| {
+            let ids = prompt(400 + d, 200 + 30 * d as usize, 1000);
+            let path = write_ids(tmp.path(), &format!("d{d}.json"), &ids);
+            let (model, addr, cfgs) = (model.clone(), server.addr.clone(), cfgs.to_string());
+            std::thread::spawn(move || {
+                let p = path.to_str().unwrap().to_string();
+                let (v, e) = generate(&model, &["--input-ids", &p, "--prefill-node", &addr, "--insecure-dev", "--remote-min-tokens", "1", "--config-dir", &cfgs]);
+                assert!(e.contains("remote prefill ingested"), "decoder {d} did not use the node:\n{e}");
+                (ids, v)
+            })
+        })
+        .collect();
+    let engine = mac_decoder::decode::Engine::load(&model).unwrap();
+    for h in handles {
+        let (ids, v) = h.join().unwrap();
+        let want = local_greedy(&engine, &ids, 8).0;
+        let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+        assert_eq!(got, want, "a concurrent decoder got other tokens");
+    }
+    // The node logs each request once the decoder has all of it.
+    let t0 = std::time::Instant::now();
+    loop {
+        let log = server.log.lock().unwrap().clone();
+        let n = log.matches("prefill done").count();
+        if n == 5 {
+            break;
+        }
+        assert!(n < 5 && t0.elapsed() < Duration::from_secs(10), "{n} requests done, expected 5; server log:\n{log}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn unpaired_decoder_falls_back_with_a_reason() {
+    init_tracing();
+    let model = golden_dir("tiny-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let p = write_ids(tmp.path(), "p.json", &prompt(501, 120, 1000));
+    let cfg = tmp.path().join("decoder-config");
+    let (v, stderr) = generate(
+        &model,
+        &["--input-ids", p.to_str().unwrap(), "--prefill-node", "127.0.0.1:9", "--remote-min-tokens", "1", "--config-dir", cfg.to_str().unwrap()],
+    );
+    assert!(stderr.contains("no prefill node is paired"), "{stderr}");
+    assert!(stderr.contains("fallback"), "{stderr}");
+    let engine = mac_decoder::decode::Engine::load(&model).unwrap();
+    let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(got, local_greedy(&engine, &prompt(501, 120, 1000), 8).0);
+}
