@@ -347,7 +347,12 @@ impl<'c> Transfer<'c> {
                     }
                     let done = self.done.take().expect("checked above");
                     self.finished = true;
-                    let _ = self.ctrl_send.finish();
+                    let ack = Message::Received { request: done.request };
+                    if let Err(e) = write_message(&mut self.ctrl_send, peer, &ack).await {
+                        tracing::warn!(%peer, "could not confirm the hand-off: {e}");
+                    }
+                    // One round trip: the confirmation must not die with a connection closed next.
+                    finish_and_flush(&mut self.ctrl_send, Duration::from_secs(2)).await;
                     let summary = TransferSummary {
                         request: done.request,
                         base_tokens: self.accepted.base_tokens,

@@ -409,11 +409,13 @@ pub(crate) struct Shared {
     stop: watch::Sender<bool>,
     /// Payload bytes handed to quinn.
     written: std::sync::atomic::AtomicU64,
+    /// The decoder confirmed the whole state (`Received`).
+    received: watch::Sender<bool>,
 }
 
 impl Shared {
     fn new() -> Shared {
-        Shared { first: StdMutex::new(None), stop: watch::channel(false).0, written: Default::default() }
+        Shared { first: StdMutex::new(None), stop: watch::channel(false).0, written: Default::default(), received: watch::channel(false).0 }
     }
     fn fail(&self, e: TransferError) {
         if let Ok(mut g) = self.first.lock() {
@@ -528,12 +530,15 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
 /// Reads the client's side of the request stream: an Abort (or a reset) cancels the transfer.
 async fn watch_client(mut fr: FramedRecv, shared: Arc<Shared>, peer: SocketAddr, id: u64) {
     match fr.next_message().await {
+        Ok(Some(Message::Received { request })) if request == id => {
+            let _ = shared.received.send(true);
+        }
         Ok(Some(Message::Abort(e))) => {
             tracing::info!(%peer, request = id, "decoder cancelled: {:?}: {}", e.code, e.message);
             shared.fail(TransferError::Aborted { peer, code: e.code, message: e.message })
         }
         Ok(Some(other)) => shared.fail(TransferError::Protocol { peer, reason: format!("unexpected {} during a transfer", other.name()) }),
-        Ok(None) => {} // the client finished its side: nothing more to say
+        Ok(None) => shared.fail(TransferError::Protocol { peer, reason: "the decoder ended the request without confirming it".into() }),
         Err(e) => shared.fail(e),
     }
 }
@@ -733,9 +738,10 @@ impl LayerSender {
         write_message(&mut *self.ctrl.lock().await, self.peer, &msg).await
     }
 
-    /// Waits until every chunk is delivered, then sends `Done`. `timing` carries the
-    /// executor's compute and weight-wait times; the transport fills in bytes, chunks,
-    /// send waits and the total.
+    /// Waits until every chunk is delivered, sends `Done`, and waits for the decoder to confirm
+    /// that the whole state arrived intact (`Received`); an `Aborted` error otherwise says what
+    /// the decoder found wrong. `timing` carries the executor's compute and weight-wait times;
+    /// the transport fills in bytes, chunks, send waits and the total.
     pub async fn finish(mut self, timing: Timing, last_logits: Option<Vec<f32>>) -> Result<Timing, TransferError> {
         let r = self.finish_inner(timing, last_logits).await;
         if let Err(e) = &r {
@@ -777,7 +783,17 @@ impl LayerSender {
         {
             let mut s = self.ctrl.lock().await;
             write_message(&mut s, self.peer, &Message::Done(done)).await?;
-            finish_and_flush(&mut s, self.stall).await;
+            let _ = s.finish();
+        }
+        // The decoder verifies everything, then confirms (or aborts, naming the fault).
+        let mut received = self.shared.received.subscribe();
+        let mut stop = self.shared.stop.subscribe();
+        tokio::select! {
+            _ = received.wait_for(|v| *v) => {}
+            _ = stop.wait_for(|v| *v) => return Err(self.check().err().unwrap_or_else(|| TransferError::Cancelled("transfer stopped".into()))),
+            _ = tokio::time::sleep(self.stall) => {
+                return Err(TransferError::Stalled { peer: self.peer, what: "the decoder confirming the state".into(), secs: self.stall.as_secs_f64() });
+            }
         }
         tracing::info!(
             peer = %self.peer,

@@ -205,6 +205,8 @@ pub enum Message {
     /// Keeps the request alive while a long layer computes.
     Heartbeat { request: u64 },
     Done(Done),
+    /// Client → server after `Done`: every layer arrived exactly once and passed every check.
+    Received { request: u64 },
     /// Refusal or failure reported by the peer.
     Error(ErrorMsg),
     /// Cancellation from either side.
@@ -222,6 +224,7 @@ impl Message {
             Message::Progress(_) => "Progress",
             Message::Heartbeat { .. } => "Heartbeat",
             Message::Done(_) => "Done",
+            Message::Received { .. } => "Received",
             Message::Error(_) => "Error",
             Message::Abort(_) => "Abort",
         }
