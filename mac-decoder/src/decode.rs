@@ -30,6 +30,17 @@ use crate::model::weights::WeightLoader;
 use crate::model::{K3Text, KdaMode, ModelCache};
 use crate::sampler::{Sampler, SamplingParams};
 
+/// dtype of the weights and of the activations between the model's FP32 islands (KDA
+/// recurrence, gates, router, AttnRes, MoE sum, MLA attention, caches: always f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDtype {
+    /// BF16 weights widened exactly: the parity path (Linux CPU, tests).
+    #[default]
+    F32,
+    /// Weights as stored (half the bytes per decode step): the Metal path.
+    Bf16,
+}
+
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -139,6 +150,11 @@ impl Engine {
     }
 
     pub fn load_with(dir: &Path, options: EngineOptions) -> Result<Self> {
+        Self::load_with_dtype(dir, options, ComputeDtype::F32)
+    }
+
+    /// Loads with weights in `dtype` ([`ComputeDtype::Bf16`] on Metal halves the bytes read).
+    pub fn load_with_dtype(dir: &Path, options: EngineOptions, compute: ComputeDtype) -> Result<Self> {
         if options.prefill_chunk == 0 {
             bail!("prefill_chunk must be > 0");
         }
@@ -146,7 +162,11 @@ impl Engine {
         let ck = Checkpoint::open(dir).with_context(|| format!("opening checkpoint {}", dir.display()))?;
         let config = ck.config().clone();
         let fingerprint = ck.fingerprint();
-        let mut wl = WeightLoader::new(&ck);
+        let dtype = match compute {
+            ComputeDtype::F32 => mlx_rs::Dtype::Float32,
+            ComputeDtype::Bf16 => mlx_rs::Dtype::Bfloat16,
+        };
+        let mut wl = WeightLoader::with_dtype(&ck, dtype);
         let n_layers = config.text_config.num_hidden_layers;
         let bar = if options.progress {
             let b = indicatif::ProgressBar::new(n_layers as u64);
@@ -164,6 +184,7 @@ impl Engine {
             dir = %dir.display(),
             fingerprint = %fingerprint.short(),
             layers = n_layers,
+            dtype = ?compute,
             weight_mb = model.weight_bytes() as f64 / 1e6,
             seconds = t0.elapsed().as_secs_f64(),
             "model loaded"
@@ -235,7 +256,7 @@ impl Engine {
         if let Some(i) = img.data.iter().position(|x| !x.is_finite()) {
             bail!("image embeddings hold a non-finite value at index {i}");
         }
-        let img_arr = array_f32(&img.data, &[img.rows, h], "image embeddings")?;
+        let img_arr = array_f32(&img.data, &[img.rows, h], "image embeddings")?.as_dtype(emb.dtype())?;
         let mut map = vec![0i32; tokens.len()];
         let mut is_img = vec![false; tokens.len()];
         for (k, &p) in pads.iter().enumerate() {

@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
-use mlx_rs::{fast, linalg, ops, Array, Stream};
+use mlx_rs::{fast, linalg, ops, Array, Dtype, Stream};
 
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
 
@@ -33,13 +33,23 @@ pub enum KdaMode {
 // ---------------------------------------------------------------------------------------------
 // Small pieces
 
-/// `x · Wᵀ` for a checkpoint weight `W[out, in]`.
+/// `x · Wᵀ` for a checkpoint weight `W[out, in]`, in the weight's dtype.
 fn linear(x: &Array, w: &Array) -> Result<Array> {
-    Ok(x.matmul(&w.t())?)
+    Ok(cast(x, w.dtype())?.matmul(&w.t())?)
 }
 
+/// RMSNorm in the input's dtype (MLX accumulates in f32).
 fn rms_norm(x: &Array, w: &Array, eps: f32) -> Result<Array> {
-    Ok(fast::rms_norm(x, Some(w), eps)?)
+    Ok(fast::rms_norm(x, Some(&cast(w, x.dtype())?), eps)?)
+}
+
+/// `x` as `dtype` (a no-op when it already is).
+fn cast(x: &Array, dtype: Dtype) -> Result<Array> {
+    Ok(if x.dtype() == dtype { x.clone() } else { x.as_dtype(dtype)? })
+}
+
+fn f32(x: &Array) -> Result<Array> {
+    cast(x, Dtype::Float32)
 }
 
 fn sigmoid(x: &Array) -> Result<Array> {
@@ -63,13 +73,16 @@ struct Situ {
 }
 
 impl Situ {
+    /// FP32 math; the result in `g`'s dtype.
     fn apply(&self, g: &Array, u: &Array) -> Result<Array> {
+        let dtype = g.dtype();
+        let (g, u) = (&f32(g)?, &f32(u)?);
         let gate = ops::tanh(g * (1.0 / self.beta))? * self.beta * sigmoid(g)?;
         let up = match self.linear_beta {
             Some(b2) => ops::tanh(u * (1.0 / b2))? * b2,
             None => u.clone(),
         };
-        Ok(gate * up)
+        cast(&(gate * up), dtype)
     }
 }
 
@@ -83,20 +96,21 @@ struct AttnRes {
 
 impl AttnRes {
     fn load(wl: &mut WeightLoader, norm: &str, proj: &str, h: usize) -> Result<Self> {
-        let n = wl.dense(norm, &[h])?;
-        let p = wl.dense(proj, &[1, h])?.reshape(&[h as i32])?;
+        let n = wl.dense_f32(norm, &[h])?;
+        let p = wl.dense_f32(proj, &[1, h])?.reshape(&[h as i32])?;
         Ok(AttnRes { score: n * p })
     }
 
-    /// Mixes the bank `B` and the running sum `P` (each `[T, H]`).
+    /// Mixes the bank `B` and the running sum `P` (each `[T, H]`), in FP32; the result in
+    /// `P`'s dtype.
     fn mix(&self, bank: &[Array], p: &Array, eps: f32) -> Result<Array> {
         let mut cands: Vec<&Array> = bank.iter().collect();
         cands.push(p);
-        let v = ops::stack(&cands, 0)?; // [n+1, T, H]
+        let v = f32(&ops::stack(&cands, 0)?)?; // [n+1, T, H]
         let k = &v * ops::rsqrt(v.square()?.mean_axis(-1, true)? + eps)?;
         let s = (k * &self.score).sum_axis(-1, false)?; // [n+1, T]
         let alpha = ops::softmax_axis(&s, 0, true)?;
-        Ok((ops::expand_dims(&alpha, -1)? * v).sum_axis(0, false)?)
+        cast(&(ops::expand_dims(&alpha, -1)? * v).sum_axis(0, false)?, p.dtype())
     }
 }
 
@@ -134,7 +148,7 @@ impl Kda {
             bail!("layer {l}: linear_attn_config.gate_lower_bound is null; only K3's bounded KDA gate is implemented");
         };
         let conv = |wl: &mut WeightLoader, p: &str| -> Result<Array> {
-            Ok(wl.layer(l, &format!("self_attn.{p}_conv1d.weight"), &[w, 1, k])?.reshape(&[w as i32, k as i32])?)
+            Ok(wl.layer_f32(l, &format!("self_attn.{p}_conv1d.weight"), &[w, 1, k])?.reshape(&[w as i32, k as i32])?)
         };
         let a_log = wl.layer_prefix(l, "self_attn.A_log", la.num_heads)?;
         Ok(Kda {
@@ -148,11 +162,11 @@ impl Kda {
             v_conv: conv(wl, "v")?,
             f_a: wl.layer(l, "self_attn.f_a_proj.weight", &[d, h])?,
             f_b: wl.layer(l, "self_attn.f_b_proj.weight", &[w, d])?,
-            dt_bias: wl.layer(l, "self_attn.dt_bias", &[w])?.reshape(&[la.num_heads as i32, d as i32])?,
+            dt_bias: wl.layer_f32(l, "self_attn.dt_bias", &[w])?.reshape(&[la.num_heads as i32, d as i32])?,
             a: a_log.exp()?.reshape(&[la.num_heads as i32, 1])?,
             b_proj: wl.layer(l, "self_attn.b_proj.weight", &[la.num_heads, h])?,
             g_proj: wl.layer(l, "self_attn.g_proj.weight", &[w, h])?,
-            o_norm: wl.layer(l, "self_attn.o_norm.weight", &[d])?,
+            o_norm: wl.layer_f32(l, "self_attn.o_norm.weight", &[d])?,
             o_proj: wl.layer(l, "self_attn.o_proj.weight", &[h, w])?,
             gate_lower_bound: lb,
             eps: c.rms_norm_eps,
@@ -186,9 +200,10 @@ impl Kda {
         let t = x.shape()[0];
         let (h, d) = (self.heads, self.dim);
         // 1-2. projections, short conv + SiLU (windows carried in the cache)
-        let (q, wq) = Self::short_conv(&cache.conv_q, &linear(x, &self.q_proj)?, &self.q_conv)?;
-        let (k, wk) = Self::short_conv(&cache.conv_k, &linear(x, &self.k_proj)?, &self.k_conv)?;
-        let (v, wv) = Self::short_conv(&cache.conv_v, &linear(x, &self.v_proj)?, &self.v_conv)?;
+        // (projections in the weights' dtype; conv, gates and the recurrence in FP32)
+        let (q, wq) = Self::short_conv(&cache.conv_q, &f32(&linear(x, &self.q_proj)?)?, &self.q_conv)?;
+        let (k, wk) = Self::short_conv(&cache.conv_k, &f32(&linear(x, &self.k_proj)?)?, &self.k_conv)?;
+        let (v, wv) = Self::short_conv(&cache.conv_v, &f32(&linear(x, &self.v_proj)?)?, &self.v_conv)?;
         cache.conv_q = wq;
         cache.conv_k = wk;
         cache.conv_v = wv;
@@ -198,11 +213,11 @@ impl Kda {
         let k = Self::l2norm(&heads(&k)?)?;
         let v = heads(&v)?;
         // 5. bounded decay gate g = lb·σ(exp(A_log[h])·z), z = W_fb W_fa x + dt_bias
-        let z = linear(&linear(x, &self.f_a)?, &self.f_b)?.reshape(&[t, h, d])? + &self.dt_bias;
+        let z = f32(&linear(&linear(x, &self.f_a)?, &self.f_b)?)?.reshape(&[t, h, d])? + &self.dt_bias;
         let g = sigmoid(&(z * &self.a))? * self.gate_lower_bound;
         let g = g.transpose_axes(&[1, 0, 2])?;
         // 6. write strength β = σ(W_b x), [H, T]
-        let beta = sigmoid(&linear(x, &self.b_proj)?)?.t();
+        let beta = sigmoid(&f32(&linear(x, &self.b_proj)?)?)?.t();
         // 7. delta rule
         let o = match mode {
             KdaMode::Recurrent => kda_recurrent(&q, &k, &v, &g, &beta, &mut cache.state)?,
@@ -210,7 +225,7 @@ impl Kda {
         };
         // 8. gated RMSNorm per head: RMSNorm(o)·o_norm·σ(W_g x)
         let o = o.transpose_axes(&[1, 0, 2])?; // [T, H, D]
-        let gate = sigmoid(&linear(x, &self.g_proj)?.reshape(&[t, h, d])?)?;
+        let gate = sigmoid(&f32(&linear(x, &self.g_proj)?)?.reshape(&[t, h, d])?)?;
         let o = rms_norm(&o, &self.o_norm, self.eps)? * gate;
         // 9. output projection
         linear(&o.reshape(&[t, h * d])?, &self.o_proj)
@@ -334,7 +349,7 @@ impl Mla {
 
     /// The latent rows of `x`: post-norm `c_kv` then raw `k_pe`, `[T, rank + rope]`.
     fn latent_rows(&self, x: &Array) -> Result<Array> {
-        let kv = linear(x, &self.kv_a)?;
+        let kv = f32(&linear(x, &self.kv_a)?)?; // the cache is FP32 (canonical hand-off)
         let c_kv = rms_norm(&cols(&kv, 0, self.rank)?, &self.kv_a_norm, MLA_NORM_EPS)?;
         let k_pe = cols(&kv, self.rank, self.rank + self.rope)?;
         Ok(ops::concatenate(&[&c_kv, &k_pe], -1)?)
@@ -346,7 +361,7 @@ impl Mla {
         let past = cache.rows() as i32;
         // queries: c_q = RMSNorm(W_qa x), q = W_qb c_q → [H, T, nope | rope]
         let c_q = rms_norm(&linear(x, &self.q_a)?, &self.q_a_norm, MLA_NORM_EPS)?;
-        let q = linear(&c_q, &self.q_b)?.reshape(&[t, h, dn + dr])?.transpose_axes(&[1, 0, 2])?;
+        let q = f32(&linear(&c_q, &self.q_b)?)?.reshape(&[t, h, dn + dr])?.transpose_axes(&[1, 0, 2])?;
         let q_nope = cols(&q, 0, dn)?;
         let q_pe = cols(&q, dn, dn + dr)?;
         // the latent cache, with this call's rows appended
@@ -354,7 +369,7 @@ impl Mla {
         let c_kv = cols(&all, 0, self.rank)?;
         let k_pe = cols(&all, self.rank, self.rank + dr)?;
         // absorbed scores: q̃_h = W_UKᵀ q_nope_h; (q̃·c_kv + q_pe·k_pe)/√(nope+rope)
-        let q_abs = q_nope.matmul(&self.w_uk)?; // [H, T, rank]
+        let q_abs = q_nope.matmul(&f32(&self.w_uk)?)?; // [H, T, rank]
         let scores = (q_abs.matmul(&c_kv.t())? + q_pe.matmul(&k_pe.t())?) * (1.0 / ((dn + dr) as f32).sqrt());
         let n = past + t;
         let scores = if t > 1 {
@@ -368,9 +383,9 @@ impl Mla {
         };
         let p = ops::softmax_axis(&scores, -1, true)?;
         // ō_h = W_UV^h (Σ_s p_s c_kv,s)
-        let o = p.matmul(&c_kv)?.matmul(&self.w_uv_t)?; // [H, T, v]
+        let o = p.matmul(&c_kv)?.matmul(&f32(&self.w_uv_t)?)?; // [H, T, v]
         let o = o.transpose_axes(&[1, 0, 2])?.reshape(&[t, h * self.v_dim])?;
-        let o = o * sigmoid(&linear(x, &self.g_proj)?)?;
+        let o = o * sigmoid(&f32(&linear(x, &self.g_proj)?)?)?;
         linear(&o, &self.o_proj)
     }
 }
@@ -416,8 +431,8 @@ impl LatentMoe {
             top_k: c.num_experts_per_token as i32,
             renormalize: c.moe_renormalize,
             scaling: c.routed_scaling_factor,
-            router: wl.layer(l, &p("gate.weight"), &[e, h])?,
-            router_bias: wl.layer(l, &p("gate.e_score_correction_bias"), &[e])?,
+            router: wl.layer_f32(l, &p("gate.weight"), &[e, h])?,
+            router_bias: wl.layer_f32(l, &p("gate.e_score_correction_bias"), &[e])?,
             down_proj: wl.layer(l, &p("routed_expert_down_proj.weight"), &[lat, h])?,
             latent_norm: if c.latent_moe_use_norm { Some(wl.layer(l, &p("routed_expert_norm.weight"), &[lat])?) } else { None },
             up_proj: wl.layer(l, &p("routed_expert_up_proj.weight"), &[h, lat])?,
@@ -435,8 +450,8 @@ impl LatentMoe {
 
     fn forward(&self, x: &Array, situ: Situ) -> Result<Array> {
         let t = x.shape()[0];
-        // router: sigmoid scores; the correction bias only selects
-        let s = sigmoid(&linear(x, &self.router)?)?; // [T, E]
+        // router (FP32): sigmoid scores; the correction bias only selects
+        let s = sigmoid(&linear(&f32(x)?, &self.router)?)?; // [T, E]
         let biased = &s + &self.router_bias;
         let sel = ops::argpartition_axis(&ops::negative(&biased)?, self.top_k - 1, -1)?;
         let sel = sel.try_index((.., 0..self.top_k))?; // [T, k]
@@ -451,7 +466,7 @@ impl LatentMoe {
         let u = gather_qmm_mxfp4(&x_lat, &self.w3, &sel, false)?;
         let y = gather_qmm_mxfp4(&situ.apply(&g, &u)?, &self.w2, &sel, false)?; // [T, k, 1, lat]
         let y = y.squeeze_axes(&[2])?;
-        let mut r = (y * ops::expand_dims(&w, -1)?).sum_axis(1, false)?; // Σ_j w_j y_j, f32
+        let mut r = (f32(&y)? * ops::expand_dims(&w, -1)?).sum_axis(1, false)?; // Σ_j w_j y_j, FP32
         if let Some(n) = &self.latent_norm {
             r = rms_norm(&r, n, self.eps)?;
         }
@@ -537,6 +552,8 @@ impl DecoderLayer {
 /// The K3 text model on MLX.
 pub struct K3Text {
     pub config: TextConfig,
+    /// dtype of weights and activations between the FP32 islands (f32 or bf16).
+    pub dtype: Dtype,
     embed: Array,
     layers: Vec<DecoderLayer>,
     out_res: AttnRes,
@@ -561,6 +578,7 @@ impl K3Text {
         }
         Ok(K3Text {
             config: c.clone(),
+            dtype: wl.dtype,
             embed,
             layers,
             out_res: AttnRes::load(
@@ -585,7 +603,7 @@ impl K3Text {
     pub fn forward(&self, x: &Array, cache: &mut ModelCache, kda_mode: KdaMode) -> Result<Array> {
         let eps = self.config.rms_norm_eps;
         let t = x.shape()[0] as usize;
-        let mut p: Option<Array> = Some(x.clone()); // P := embedding
+        let mut p: Option<Array> = Some(cast(x, self.dtype)?); // P := embedding
         let mut bank: Vec<Array> = Vec::new(); // B
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             let cur = p.take().expect("P is set between layers");
@@ -617,9 +635,9 @@ impl K3Text {
         rms_norm(&z, &self.norm, eps)
     }
 
-    /// `lm_head` over normed hidden states `[T, H]` → `[T, vocab]`.
+    /// `lm_head` over normed hidden states `[T, H]` → f32 `[T, vocab]`.
     pub fn logits(&self, hidden: &Array) -> Result<Array> {
-        linear(hidden, &self.lm_head)
+        f32(&linear(hidden, &self.lm_head)?)
     }
 
     /// Every weight array.

@@ -5,19 +5,26 @@
 use anyhow::{Context, Result};
 use k3_protocol::tensors::{expert_tensor, layer_tensor, TEXT_PREFIX};
 use k3_protocol::Checkpoint;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 use crate::mlx::{array_f32, Mxfp4Array};
 
 pub struct WeightLoader<'a> {
     pub ck: &'a Checkpoint,
+    /// dtype of matrices and norm gains: `Float32` (BF16 widened exactly; the parity path) or
+    /// `Bfloat16` (as stored). Tensors the spec keeps in FP32 are loaded with the `*_f32` methods.
+    pub dtype: Dtype,
     /// Bytes loaded so far (for the load log).
     pub bytes: usize,
 }
 
 impl<'a> WeightLoader<'a> {
     pub fn new(ck: &'a Checkpoint) -> Self {
-        WeightLoader { ck, bytes: 0 }
+        WeightLoader { ck, dtype: Dtype::Float32, bytes: 0 }
+    }
+
+    pub fn with_dtype(ck: &'a Checkpoint, dtype: Dtype) -> Self {
+        WeightLoader { ck, dtype, bytes: 0 }
     }
 
     /// A full tensor name from its text-tower suffix, e.g. `model.norm.weight`.
@@ -25,16 +32,43 @@ impl<'a> WeightLoader<'a> {
         format!("{TEXT_PREFIX}{suffix}")
     }
 
-    /// A BF16/F32 tensor as an f32 array of the checkpoint's shape, checked against `shape`.
-    pub fn dense(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
+    /// A BF16/F32 tensor as an f32 array, its shape checked against `shape`.
+    pub fn dense_f32(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
         let v = self.ck.f32(name, shape).with_context(|| format!("loading {name}"))?;
         self.bytes += v.len() * 4;
         array_f32(&v, shape, name)
     }
 
-    /// `model.layers.{l}.{suffix}`.
+    /// A tensor in the loader's dtype (BF16 data is taken as is in `Bfloat16` mode).
+    pub fn dense(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
+        if self.dtype == Dtype::Float32 {
+            return self.dense_f32(name, shape);
+        }
+        let v = self.ck.tensor(name).with_context(|| format!("loading {name}"))?;
+        if v.shape != shape {
+            anyhow::bail!("{name}: shape {:?} in {}, expected {shape:?}", v.shape, v.shard);
+        }
+        let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+        let a = match v.dtype {
+            k3_protocol::tensors::DType::BF16 => {
+                let h: Vec<half::bf16> = v.bytes.chunks_exact(2).map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))).collect();
+                Array::from_slice(&h, &dims)
+            }
+            _ => array_f32(&v.to_f32().with_context(|| format!("loading {name}"))?, shape, name)?,
+        };
+        let a = if a.dtype() == self.dtype { a } else { a.as_dtype(self.dtype)? };
+        self.bytes += a.nbytes();
+        Ok(a)
+    }
+
+    /// `model.layers.{l}.{suffix}` in the loader's dtype.
     pub fn layer(&mut self, l: usize, suffix: &str, shape: &[usize]) -> Result<Array> {
         self.dense(&layer_tensor(l, suffix), shape)
+    }
+
+    /// `model.layers.{l}.{suffix}` in f32 (conv taps, gates, router: FP32 in the spec).
+    pub fn layer_f32(&mut self, l: usize, suffix: &str, shape: &[usize]) -> Result<Array> {
+        self.dense_f32(&layer_tensor(l, suffix), shape)
     }
 
     /// The first `n` entries of a padded 1-D tensor (`A_log`).
