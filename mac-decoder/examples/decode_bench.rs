@@ -1,8 +1,8 @@
 //! Decode speed and memory of the MLX decoder on this machine, with the memory-bandwidth bound.
 //!
-//! `cargo run -p mac-decoder --example decode_bench -- --model DIR [--prompt 128] [--tokens 64]`
+//! `cargo run -p mac-decoder --example decode_bench -- --model DIR [--prompt 128] [--tokens 64] [--bf16]`
 //!
-//! Bytes per token = weights a decode step reads (all non-expert weights in f32, `top_k` routed
+//! Bytes per token = weights a decode step reads (all non-expert weights in f32 or BF16, `top_k` routed
 //! experts per MoE layer in MXFP4, one embedding row) + the sequence state (KDA state read and
 //! written, MLA latent rows read). Bound = measured read bandwidth / bytes per token.
 
@@ -10,17 +10,18 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use mac_decoder::decode::{Engine, EngineOptions, GenerateParams};
+use mac_decoder::decode::{ComputeDtype, Engine, EngineOptions, GenerateParams};
 use rand::{Rng, SeedableRng};
 
 struct Args {
     model: PathBuf,
     prompt: usize,
     tokens: usize,
+    bf16: bool,
 }
 
 fn parse() -> Result<Args> {
-    let mut a = Args { model: PathBuf::new(), prompt: 128, tokens: 64 };
+    let mut a = Args { model: PathBuf::new(), prompt: 128, tokens: 64, bf16: false };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
@@ -28,7 +29,8 @@ fn parse() -> Result<Args> {
             "--model" => a.model = PathBuf::from(v()?),
             "--prompt" => a.prompt = v()?.parse()?,
             "--tokens" => a.tokens = v()?.parse()?,
-            _ => bail!("unknown argument {k} (--model DIR --prompt N --tokens N)"),
+            "--bf16" => a.bf16 = true,
+            _ => bail!("unknown argument {k} (--model DIR --prompt N --tokens N [--bf16])"),
         }
     }
     if a.model.as_os_str().is_empty() {
@@ -65,7 +67,8 @@ fn peak_rss() -> Option<usize> {
 fn main() -> Result<()> {
     let a = parse()?;
     let t0 = Instant::now();
-    let engine = Engine::load_with(&a.model, EngineOptions { progress: true, ..Default::default() })?;
+    let dtype = if a.bf16 { ComputeDtype::Bf16 } else { ComputeDtype::F32 };
+    let engine = Engine::load_with_dtype(&a.model, EngineOptions { progress: true, ..Default::default() }, dtype)?;
     let load_s = t0.elapsed().as_secs_f64();
     let cfg = engine.config();
     let vocab = cfg.text_config.vocab_size as u32;
@@ -106,7 +109,7 @@ fn main() -> Result<()> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let bwn = read_bandwidth(cores);
     println!("model                 {}", a.model.display());
-    println!("weights in MLX        {:.1} MB (f32 non-expert, MXFP4 experts)", engine.weight_bytes() as f64 / 1e6);
+    println!("weights in MLX        {:.1} MB ({dtype:?} non-expert, MXFP4 experts)", engine.weight_bytes() as f64 / 1e6);
     println!("load                  {load_s:.2} s");
     println!("prefill               {} tokens in {prefill_s:.3} s = {:.1} tok/s", a.prompt, a.prompt as f64 / prefill_s);
     println!("decode                {} tokens in {:.3} s = {tok_s:.2} tok/s", out.tokens.len(), out.decode_time.as_secs_f64());
