@@ -4,18 +4,19 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export K3_GOLDEN_DIR="$PWD/tests/golden/tiny-a" K3_KERNEL_CACHE=/tmp/k3-kernels RUST_LOG=${RUST_LOG:-warn}
-B=.devbin/k3-prefill
+D=${DEVBIN:-.devbin}
+B=$D/k3-prefill
 steps=${*:-tests kernels project budget peer}
 for s in $steps; do
   echo "=== $s ($(date +%T))"
   case $s in
     tests)   scripts/gpu-run.sh tests | tail -8 ;;
-    forward) timeout 120 .devbin/cuda_forward --test-threads=1 --nocapture 2>&1 | tee "$OUT/forward.log" | grep -E "BF16 part|Bf16:|F32:|test result" | grep -v exempt | cut -c1-400 ;;
-    kernels) timeout 180 $B bench --kernels --tokens 8192,32768,131072 2>&1 | tee "$OUT/kernels.log" ;;
+    forward) timeout 120 $D/cuda_forward --test-threads=1 --nocapture 2>&1 | tee "$OUT/forward.log" | grep -E "BF16 part|Bf16:|F32:|test result" | grep -v exempt | cut -c1-400 ;;
+    kernels) timeout 180 $B bench --kernels --tokens ${KERNEL_TOKENS:-8192,32768,131072} 2>&1 | tee "$OUT/kernels.log" ;;
     project) timeout 300 $B bench --project --pinned-source --layers 4 --tokens 32768,131072 2>&1 | tee "$OUT/project.log" | tail -24 ;;
     project-staged) timeout 300 $B bench --project --layers 4 --tokens 8192,32768,131072 2>&1 | tee "$OUT/project-staged.log" | tail -32 ;;
-    budget)  timeout 240 $B bench --project --layers 4 --vram-budget 24 --tokens 8192,32768 2>&1 | tee "$OUT/budget.log" | tail -24 ;;
-    peer)    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devbin/fla_core-*.whl && \
-             PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 300 python3 scripts/peer_bench.py --bin $B --tokens 8192,32768,131072 2>&1 | tee "$OUT/peer.log" ;;
+    budget)  timeout 240 $B bench --project --layers ${BUDGET_LAYERS:-8} --vram-budget 24 --tokens 8192,32768 2>&1 | tee "$OUT/budget.log" | tail -34 ;;
+    peer)    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $D/fla_core-*.whl && \
+             PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 300 python3 scripts/peer_bench.py --bin $B --tokens ${PEER_TOKENS:-8192,32768} 2>&1 | tee "$OUT/peer.log" ;;
   esac
 done

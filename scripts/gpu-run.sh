@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,n
 summary=()
 if [ "${1:-tests}" = tests ]; then
   shift || true
-  for t in .devbin/cuda_*; do
+  for t in ${DEVBIN:-.devbin}/cuda_*; do
     n=$(basename "$t")
     start=$(date +%s.%N)
     "$t" --test-threads=1 --nocapture >"$OUT/$n.log" 2>&1

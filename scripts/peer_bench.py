@@ -9,8 +9,12 @@ Usage (repository root, .devbin carried with k3-prefill and the fla-core wheel):
 """
 import argparse, json, subprocess, sys, time
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
 
 
 def bench(fn, reps=3):
@@ -70,7 +74,7 @@ def main():
         if line.startswith("{"):
             r = json.loads(line)
             ours[r["tokens"]] = r
-    rows = []
+    print(f"{'tokens':>7} | {'our KDA fp32':>12} {'fla fp32':>9} {'fla bf16':>9} {'fla32/ours':>10} | {'our MLA':>8} {'SDPA best':>16} {'sdpa/ours':>9}", flush=True)
     for T in [int(x) for x in a.tokens.split(",")]:
         torch.cuda.empty_cache()
         f32 = fla_kda(T, torch.float32)
@@ -78,12 +82,10 @@ def main():
         torch.cuda.empty_cache()
         sd = sdpa(T)
         o = ours[T]
-        rows.append((T, o["kda_ms"], f32, b16, o["mla_ms"], sd))
-    print(f"{'tokens':>7} | {'our KDA fp32':>12} {'fla fp32':>9} {'fla bf16':>9} {'fla32/ours':>10} | {'our MLA':>8} {'SDPA best':>16} {'sdpa/ours':>9}")
-    for T, ok, f32, b16, om, sd in rows:
+        ok, om = o["kda_ms"], o["mla_ms"]
         sds = f"{sd[1]:.1f} ({sd[0]})" if sd else "n/a"
         ratio = f"{sd[1] / om:.2f}" if sd else "n/a"
-        print(f"{T:>7} | {ok:>12.1f} {f32:>9.1f} {b16:>9.1f} {f32 / ok:>10.2f} | {om:>8.1f} {sds:>16} {ratio:>9}")
+        print(f"{T:>7} | {ok:>12.1f} {f32:>9.1f} {b16:>9.1f} {f32 / ok:>10.2f} | {om:>8.1f} {sds:>16} {ratio:>9}", flush=True)
 
 
 if __name__ == "__main__":

@@ -80,19 +80,30 @@ impl WeightSource for ShardFiles {
 
 /// Host memory regions (synthetic models; a model already in RAM). With [`HostRegions::pin`]
 /// they are page-locked and the GPU copies straight from them.
-pub struct HostRegions(pub Vec<Arc<Vec<u8>>>, pub bool);
+pub struct HostRegions(pub Vec<Arc<Vec<u8>>>, Option<Arc<Gpu>>);
 
 impl HostRegions {
     pub fn new(regions: Vec<Arc<Vec<u8>>>) -> Self {
-        HostRegions(regions, false)
+        HostRegions(regions, None)
     }
     /// Page-locks every region (cuMemHostRegister); the streamer then skips the staging copy.
-    pub fn pin(&mut self, gpu: &Gpu) -> Result<()> {
+    /// The regions are unregistered when this is dropped.
+    pub fn pin(&mut self, gpu: &Arc<Gpu>) -> Result<()> {
         for r in &self.0 {
             gpu.register_host(r.as_ptr(), r.len())?;
         }
-        self.1 = true;
+        self.1 = Some(gpu.clone());
         Ok(())
+    }
+}
+
+impl Drop for HostRegions {
+    fn drop(&mut self) {
+        if let Some(g) = &self.1 {
+            for r in &self.0 {
+                g.unregister_host(r.as_ptr());
+            }
+        }
     }
 }
 
@@ -106,7 +117,7 @@ impl WeightSource for HostRegions {
     }
     fn pinned(&self, src: usize, offset: u64, len: usize) -> Option<*const u8> {
         let r = self.0.get(src)?;
-        (self.1 && offset as usize + len <= r.len()).then(|| r[offset as usize..].as_ptr())
+        (self.1.is_some() && offset as usize + len <= r.len()).then(|| r[offset as usize..].as_ptr())
     }
 }
 
@@ -137,7 +148,7 @@ impl WeightStreamer {
         let t0 = Instant::now();
         let a = gpu.pinned(stage_bytes)?;
         let b = gpu.pinned(stage_bytes)?;
-        tracing::info!(mib = 2 * stage_bytes >> 20, ms = t0.elapsed().as_millis() as u64, "pinned staging allocated");
+        tracing::info!(mib = (2 * stage_bytes) >> 20, ms = t0.elapsed().as_millis() as u64, "pinned staging allocated");
         Ok(WeightStreamer { gpu, staging: [a, b], drained: [None, None], next: 0, readers: readers.max(1), piece: 8 << 20 })
     }
 
@@ -161,7 +172,9 @@ impl WeightStreamer {
         if parts.iter().all(|p| src.pinned(p.src, p.offset, p.len).is_some()) {
             for p in parts {
                 let ptr = src.pinned(p.src, p.offset, p.len).expect("checked above");
-                self.gpu.htod_async_raw(dst + p.dst as u64, ptr, p.len, copy)?;
+                // SAFETY: `pinned` vouches for a page-locked range; HostRegions keeps it alive and
+                // unchanged for the streamer's lifetime.
+                unsafe { self.gpu.htod_async_raw(dst + p.dst as u64, ptr, p.len, copy)? };
                 stats.bytes += p.len;
             }
             let done = self.gpu.event()?;

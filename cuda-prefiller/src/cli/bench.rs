@@ -291,7 +291,8 @@ fn project(args: &Args) -> Result<()> {
             let (s, _, bytes, fill) = run_mode(&p, &mut streamer, t, args, Mode::Transfer)?;
             row.transfer_alone_s = s;
             row.h2d_gbs = bytes as f64 / 1e9 / s;
-            row.host_fill_gbs = bytes as f64 / 1e9 / fill.max(1e-9);
+            // no host fill when the source is page-locked (direct DMA)
+            row.host_fill_gbs = if fill > 0.0 { bytes as f64 / 1e9 / fill } else { f64::NAN };
             let (s, _, _, _) = run_mode(&p, &mut streamer, t, args, Mode::Compute)?;
             row.compute_alone_s = s;
         }
@@ -580,7 +581,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn kernels(args: &Args) -> Result<()> {
     use crate::backend::KdaDims;
     use crate::cuda::kernels as kk;
-    let b = CudaBackend::new(Precision::Bf16)?;
+    let mut b = CudaBackend::new(Precision::Bf16)?;
     let g = b.gpu.clone();
     let (h, d) = (96usize, 128usize);
     let (dqk, dv) = (192usize, 128usize);
@@ -663,8 +664,8 @@ fn kernels(args: &Args) -> Result<()> {
         let plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d3.top_k, d3.experts, &lay)?;
         let mut moe_ms = f64::NAN;
         for variant in ["_lds32", ""] {
-            let mut bv = CudaBackend::new(Precision::Bf16)?;
-            bv.moe_variant = variant;
+            b.moe_variant = variant;
+            let bv = &b;
             let mut times = Vec::new();
             for rep in 0..=args.reps {
                 let e0 = g.event()?;

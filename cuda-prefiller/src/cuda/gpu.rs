@@ -1,6 +1,10 @@
 //! The device: context, a compute and a copy stream, device and pinned host memory, kernel
 //! modules and launches. Thin and explicit on purpose: raw device pointers, stream-ordered
 //! allocation, events where two streams meet.
+//!
+//! `CUstream`/`CUevent` handles are raw pointers to driver objects that Rust never dereferences;
+//! functions taking them are safe (hence the `not_unsafe_ptr_arg_deref` allowance below).
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -289,8 +293,20 @@ impl Gpu {
         }
     }
 
+    /// Undoes [`Gpu::register_host`] (errors are ignored: used on drop).
+    pub fn unregister_host(&self, ptr: *const u8) {
+        let _ = self.bind();
+        unsafe {
+            let _ = sys::cuMemHostUnregister(ptr as *mut c_void);
+        }
+    }
+
     /// Async host-to-device copy from page-locked memory on `stream`.
-    pub fn htod_async_raw(&self, dst: sys::CUdeviceptr, src: *const u8, bytes: usize, stream: sys::CUstream) -> Result<()> {
+    ///
+    /// # Safety
+    /// `src` must point to `bytes` readable bytes of page-locked memory that stay valid and
+    /// unchanged until the copy completes on `stream`.
+    pub unsafe fn htod_async_raw(&self, dst: sys::CUdeviceptr, src: *const u8, bytes: usize, stream: sys::CUstream) -> Result<()> {
         unsafe { ck(sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream), "host-to-device copy (pinned source)") }
     }
 
