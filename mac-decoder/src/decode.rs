@@ -269,7 +269,7 @@ impl Engine {
         let is_img = Array::from_slice(&is_img, &[n, 1]);
         let is_pad = Array::from_slice(&is_pad, &[n, 1]);
         let emb = ops::select(&is_img, &gathered, &emb)?;
-        Ok(ops::select(&is_pad, &Array::from_f32(0.0), &emb)?)
+        Ok(ops::select(&is_pad, Array::from_f32(0.0), &emb)?)
     }
 
     /// Runs `tokens` through the model in chunks; returns the logits of every position

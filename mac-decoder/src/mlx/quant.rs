@@ -29,7 +29,7 @@ impl Mxfp4Array {
     /// Builds a stack of `parts.len()` weights `[out, in]` from compressed-tensors bytes
     /// `(packed, scale)`; a single weight is a stack of one (leading dim 1 is dropped if `squeeze`).
     pub fn from_compressed(parts: &[(&[u8], &[u8])], out_features: usize, in_features: usize, what: &str) -> Result<Self> {
-        if in_features % MXFP4_GROUP as usize != 0 {
+        if !in_features.is_multiple_of(MXFP4_GROUP as usize) {
             bail!("{what}: in_features {in_features} is not a multiple of the MXFP4 group {MXFP4_GROUP}");
         }
         let packed_len = out_features * in_features / 2;

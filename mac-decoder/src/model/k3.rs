@@ -35,7 +35,7 @@ pub enum KdaMode {
 
 /// `x · Wᵀ` for a checkpoint weight `W[out, in]`, in the weight's dtype.
 fn linear(x: &Array, w: &Array) -> Result<Array> {
-    Ok(cast(x, w.dtype())?.matmul(&w.t())?)
+    Ok(cast(x, w.dtype())?.matmul(w.t())?)
 }
 
 /// RMSNorm in the input's dtype (MLX accumulates in f32).
@@ -274,7 +274,7 @@ pub fn kda_chunked(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, sta
         let decay = ops::select(&ops::expand_dims(&le, -1)?, &diff, &neg_inf)?.exp()?;
         // A[i,j] = β_i Σ_d k_i k_j exp(G_i − G_j) (j < i); Q̃K[i,j] likewise with q_i (j ≤ i)
         let kk = (ops::expand_dims(&kc, 2)? * ops::expand_dims(&kc, 1)? * &decay).sum_axis(-1, false)?;
-        let a = ops::select(&lt, &kk, &Array::from_f32(0.0))? * ops::expand_dims(&bc, -1)?;
+        let a = ops::select(&lt, &kk, Array::from_f32(0.0))? * ops::expand_dims(&bc, -1)?;
         let qk = (ops::expand_dims(&qc, 2)? * ops::expand_dims(&kc, 1)? * &decay).sum_axis(-1, false)?;
         // T_w = (I + A)⁻¹ diag(β): W = T_w (exp(G) ⊙ K), U = T_w V
         let eye = ops::eye::<f32>(l, None, None)?;
@@ -370,14 +370,14 @@ impl Mla {
         let k_pe = cols(&all, self.rank, self.rank + dr)?;
         // absorbed scores: q̃_h = W_UKᵀ q_nope_h; (q̃·c_kv + q_pe·k_pe)/√(nope+rope)
         let q_abs = q_nope.matmul(&f32(&self.w_uk)?)?; // [H, T, rank]
-        let scores = (q_abs.matmul(&c_kv.t())? + q_pe.matmul(&k_pe.t())?) * (1.0 / ((dn + dr) as f32).sqrt());
+        let scores = (q_abs.matmul(c_kv.t())? + q_pe.matmul(k_pe.t())?) * (1.0 / ((dn + dr) as f32).sqrt());
         let n = past + t;
         let scores = if t > 1 {
             // causal: query t (absolute past + t) sees keys s ≤ past + t
             let qpos = ops::arange::<_, i32>(past, n, None)?;
             let kpos = ops::arange::<_, i32>(None, n, None)?;
             let ok = ops::expand_dims(&kpos, 0)?.le(&ops::expand_dims(&qpos, 1)?)?; // [T, n]
-            ops::select(&ok, &scores, &Array::from_f32(f32::NEG_INFINITY))?
+            ops::select(&ok, &scores, Array::from_f32(f32::NEG_INFINITY))?
         } else {
             scores
         };
