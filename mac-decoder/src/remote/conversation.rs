@@ -196,3 +196,42 @@ impl Conversation {
         Ok(())
     }
 }
+
+/// For callers that run their own decode loop and keep copies (the OpenAI server).
+impl Conversation {
+    /// Feeds one token the caller sampled; it joins the history. Returns the next logits.
+    pub fn step(&mut self, engine: &Engine, token: u32) -> Result<Vec<f32>> {
+        self.check()?;
+        let before = self.session.tokens();
+        match engine.step(&mut self.session, token) {
+            Ok(logits) => {
+                self.history.push(token);
+                Ok(logits)
+            }
+            Err(e) => {
+                if self.session.tokens() != before {
+                    self.broken = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// An independent copy (a checkpoint): the state through the hand-off layout, the same
+    /// history, and the same id and node prefix. Whichever copy continues first extends the
+    /// node's prefix; the node checks a base's length and hash, so the other copy's next remote
+    /// turn is refused as `BaseNotHeld` and resent whole.
+    pub fn fork(&self, engine: &Engine) -> Result<Conversation> {
+        self.check()?;
+        let state = engine.export_state(&self.session)?;
+        let mut session = engine.new_session()?;
+        engine.ingest(&mut session, 0, &state, self.session.last_logits().map(<[f32]>::to_vec))?;
+        Ok(Conversation {
+            session,
+            history: self.history.clone(),
+            id: self.id,
+            remote: self.remote.as_ref().map(|r| RemotePrefix { tokens: r.tokens, hash: r.hash.clone() }),
+            broken: false,
+        })
+    }
+}

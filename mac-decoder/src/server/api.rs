@@ -228,6 +228,8 @@ pub struct ChatRequest {
     pub messages: Vec<Json>,
     pub render: RenderOptions,
     pub gen: GenSettings,
+    /// The images of the messages, in rendering order (user messages only).
+    pub images: Vec<ImageInput>,
 }
 
 /// Maps `reasoning_effort` to (thinking, effort). Policy (spec §2.7, §5.2): `none` turns
@@ -260,6 +262,7 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         return Err(ApiError::bad_request("`messages` must not be empty", Some("messages")));
     }
     let mut msgs = Vec::with_capacity(messages.len());
+    let mut images = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         let Some(entries) = m.as_object() else {
             return Err(ApiError::bad_request(format!("messages[{i}] must be an object"), Some("messages")));
@@ -270,24 +273,49 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
             r @ ("system" | "user" | "assistant" | "tool") => r,
             other => return Err(ApiError::bad_request(format!("messages[{i}] has an unknown role {other:?}"), Some("messages"))),
         };
+        // Image parts are taken out here (their bytes go to `images`); the renderer sees a bare
+        // `{"type": "image_url"}` in their place and takes the media block of the next image.
+        let mut content_parts: Option<Vec<Json>> = None;
         if let Some(Json::Array(parts)) = m.get("content") {
-            for p in parts {
+            let mut kept = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
                 match p.get("type").and_then(Json::as_str) {
                     Some("text") => {
                         if p.get("text").and_then(Json::as_str).is_none() {
                             return Err(ApiError::bad_request(format!("messages[{i}]: a text part needs a string `text`"), Some("messages")));
                         }
+                        kept.push(p.clone());
                     }
-                    Some("image_url") | Some("image") | Some("input_image") => {
-                        return Err(ApiError::bad_request(format!("messages[{i}]: image inputs are not supported by this server yet"), Some("messages")));
+                    Some(ty @ ("image_url" | "input_image")) => {
+                        if role != "user" {
+                            return Err(ApiError::bad_request(
+                                format!("messages[{i}]: images are accepted in user messages only (this one is {role:?})"),
+                                Some("messages"),
+                            ));
+                        }
+                        let bytes = image_part_bytes(p, ty).map_err(|e| ApiError::bad_request(format!("messages[{i}].content[{j}]: {e}"), Some("messages")))?;
+                        images.push(ImageInput { bytes, message: i, part: j });
+                        kept.push(Json::Object(vec![("type".into(), Json::Str("image_url".into()))]));
+                    }
+                    Some("image") => {
+                        return Err(ApiError::bad_request(
+                            format!("messages[{i}].content[{j}]: send images as `image_url` parts with a data URL (data:image/png;base64,...)"),
+                            Some("messages"),
+                        ))
                     }
                     other => return Err(ApiError::bad_request(format!("messages[{i}]: unsupported content part type {other:?}"), Some("messages"))),
                 }
             }
+            content_parts = Some(kept);
         }
         let mut e: Vec<(String, Json)> = entries.to_vec();
         if let Some(slot) = e.iter_mut().find(|(k, _)| k == "role") {
             slot.1 = Json::Str(role.to_string());
+        }
+        if let Some(parts) = content_parts {
+            if let Some(slot) = e.iter_mut().find(|(k, _)| k == "content") {
+                slot.1 = Json::Array(parts);
+            }
         }
         msgs.push(Json::Object(e));
     }
@@ -377,7 +405,86 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         image_prompts: None,
         placeholders_in_text: false,
     };
-    Ok(ChatRequest { model, messages: msgs, render, gen })
+    Ok(ChatRequest { model, messages: msgs, render, gen, images })
+}
+
+/// One image of a chat request: the decoded bytes of its data URL and where it was.
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    pub bytes: Vec<u8>,
+    pub message: usize,
+    pub part: usize,
+}
+
+impl ImageInput {
+    /// `messages[i].content[j]`, for errors.
+    pub fn place(&self) -> String {
+        format!("messages[{}].content[{}]", self.message, self.part)
+    }
+}
+
+/// The URL of an image part: `{"type": "image_url", "image_url": {"url": ...}}` (OpenAI chat),
+/// `"image_url": "..."` (a common shorthand), `{"type": "input_image", "image_url": "..."}`
+/// (OpenAI responses).
+fn image_part_url<'a>(p: &'a Json, ty: &str) -> Result<&'a str, String> {
+    match p.get("image_url") {
+        Some(Json::Str(u)) => Ok(u),
+        Some(o @ Json::Object(_)) => o.get("url").and_then(Json::as_str).ok_or_else(|| "`image_url.url` must be a string".to_string()),
+        _ => Err(format!("an {ty} part needs `image_url` (an object with `url`, or a string)")),
+    }
+}
+
+/// Largest decoded image accepted (the pre-processor's own limit).
+pub const MAX_IMAGE_BYTES: usize = 64 << 20;
+
+/// The image bytes of an image part: only `data:` URLs (the decoder node does not fetch URLs).
+fn image_part_bytes(p: &Json, ty: &str) -> Result<Vec<u8>, String> {
+    let url = image_part_url(p, ty)?;
+    decode_data_url(url)
+}
+
+/// Decodes `data:[<media type>][;params];base64,<data>`. The media type, when given, must be an
+/// image type; the bytes themselves are sniffed by the image decoder (PNG, JPEG, WebP).
+pub fn decode_data_url(url: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    let is_data = url.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("data:"));
+    if !is_data {
+        let shown: String = url.chars().take(48).collect();
+        let scheme = url.split_once(':').map(|(s, _)| s).filter(|s| s.len() < 16 && !s.is_empty());
+        return Err(match scheme {
+            Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("https") => format!(
+                "image URLs are not fetched ({shown:?}): this server does not reach the internet; send the image inline as a data URL (data:image/png;base64,...)"
+            ),
+            _ => format!("unsupported image URL {shown:?}; send the image inline as a data URL (data:image/png;base64,...)"),
+        });
+    }
+    let rest = &url[5..];
+    let Some((meta, data)) = rest.split_once(',') else {
+        return Err("the data URL has no `,` before its data".into());
+    };
+    let mut fields = meta.split(';');
+    let mime = fields.next().unwrap_or("").trim();
+    let base64 = fields.any(|f| f.trim().eq_ignore_ascii_case("base64"));
+    if !mime.is_empty() && !mime.to_ascii_lowercase().starts_with("image/") {
+        return Err(format!("the data URL holds {mime:?}, not an image"));
+    }
+    if !base64 {
+        return Err("the data URL must be base64-encoded (data:image/png;base64,...)".into());
+    }
+    // Lenient on whitespace (wrapped base64) and on missing padding.
+    let clean: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    if clean.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
+        return Err(format!("the image is larger than {} MiB", MAX_IMAGE_BYTES >> 20));
+    }
+    let engine = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new().with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    let bytes = engine.decode(clean.as_bytes()).map_err(|e| format!("the data URL's base64 is invalid: {e}"))?;
+    if bytes.is_empty() {
+        return Err("the data URL holds no data".into());
+    }
+    Ok(bytes)
 }
 
 /// A validated `/v1/completions` request.

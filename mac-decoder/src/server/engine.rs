@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use crate::vision::PreprocessedImage;
+
 /// How a prefill ran.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PrefillReport {
@@ -18,6 +20,21 @@ pub struct PrefillReport {
     pub exposed_tail_seconds: f64,
     /// A remote prefill failed and the tokens were prefilled locally instead.
     pub fell_back: bool,
+    /// Why the prompt went where it went (the threshold, or the cause of a fallback); empty
+    /// when the engine has no choice.
+    pub reason: String,
+    /// Images run through the vision tower for this prefill, and the seconds it took.
+    pub images: usize,
+    pub vision_seconds: f64,
+}
+
+/// What the HTTP side needs to prepare images for an engine that takes them.
+#[derive(Debug, Clone)]
+pub struct MediaSupport {
+    /// Pre-processing settings (`preprocessor_config.json` or the published defaults).
+    pub config: crate::vision::MediaProcConfig,
+    /// The `<|media_pad|>` id (`media_placeholder_token_id`).
+    pub pad_id: u32,
 }
 
 /// A model the server can drive. The engine is built on, and only used from, one dedicated
@@ -45,6 +62,20 @@ pub trait GenerationEngine: 'static {
     /// An independent copy of a session (a checkpoint: KDA states cannot be rolled back, so
     /// reuse after a divergence needs a copy taken before it).
     fn fork(&mut self, s: &Self::Session) -> anyhow::Result<Self::Session>;
+
+    /// Image support: `None` (the default) when the model has no vision tower.
+    fn media(&self) -> Option<MediaSupport> {
+        None
+    }
+    /// Like [`Self::prefill`], but `tokens` hold `<|media_pad|>` runs, one per image of
+    /// `images` in order, each as long as that image's feature rows: the engine encodes the
+    /// images and the k-th pad takes the k-th row.
+    fn prefill_images(&mut self, s: &mut Self::Session, tokens: &[u32], images: &[&PreprocessedImage]) -> anyhow::Result<PrefillReport> {
+        if images.is_empty() {
+            return self.prefill(s, tokens);
+        }
+        anyhow::bail!("this engine does not take images")
+    }
 }
 
 /// A deterministic stand-in model for tests: the next token is a function of every token the

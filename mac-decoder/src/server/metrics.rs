@@ -26,6 +26,9 @@ pub struct Metrics {
     pub handoff_bytes: Counter,
     pub handoff_exposed_tail_seconds: Counter<f64, AtomicU64>,
     pub prefill_fallbacks: Counter,
+    /// Images run through the vision tower, and the seconds it took.
+    pub images: Counter,
+    pub vision_seconds: Counter<f64, AtomicU64>,
     pub decode_seconds: Counter<f64, AtomicU64>,
     /// Decode speed of the last finished request.
     pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
@@ -52,6 +55,8 @@ impl Metrics {
             handoff_bytes: Counter::default(),
             handoff_exposed_tail_seconds: Counter::default(),
             prefill_fallbacks: Counter::default(),
+            images: Counter::default(),
+            vision_seconds: Counter::default(),
             decode_seconds: Counter::default(),
             decode_tokens_per_second: Gauge::default(),
             sessions_held: Gauge::default(),
@@ -74,6 +79,8 @@ impl Metrics {
                 m.handoff_exposed_tail_seconds.clone(),
             );
             r.register("prefill_fallbacks", "Remote prefills that fell back to local prefill", m.prefill_fallbacks.clone());
+            r.register("images", "Images encoded by the vision tower", m.images.clone());
+            r.register("vision_seconds", "Seconds spent encoding images (vision tower and projector)", m.vision_seconds.clone());
             r.register("decode_seconds", "Seconds spent in decode steps", m.decode_seconds.clone());
             r.register("decode_tokens_per_second", "Decode speed of the last finished request", m.decode_tokens_per_second.clone());
             r.register("sessions_held", "Session states held for prefix reuse", m.sessions_held.clone());

@@ -1,16 +1,39 @@
 //! The MLX K3 engine ([`crate::decode::Engine`]) behind the server's [`GenerationEngine`] trait.
-//! Prompts are prefilled locally (chunked); a session copy (checkpoint) goes through the
-//! canonical hand-off state: export, then ingest into a fresh session.
+//!
+//! A session is a [`Conversation`] (the decoder session, its token history and the prefix the
+//! prefill node holds of it). Prompts are prefilled locally (chunked), or — with a prefill node
+//! ([`MlxEngine::with_remote`]) — routed by [`RemotePrefiller`]: prompts with at least
+//! `min_tokens` new tokens go to the node, shorter ones stay local, and any failure of the node
+//! ends in a local prefill (reported as a fallback). A session copy (checkpoint) goes through
+//! the canonical hand-off state: export, then ingest into a fresh session.
+//!
+//! Images: the vision tower (MoonViT-V2 + projector on MLX) is loaded on the first image; its
+//! feature rows replace the `<|media_pad|>` embeddings, locally or in the prefill request.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::engine::{GenerationEngine, PrefillReport};
-use crate::decode::{Engine, EngineOptions, Session};
+use anyhow::Context;
+use k3_protocol::transport::NodeConfig;
+use k3_protocol::Checkpoint;
+
+use super::engine::{GenerationEngine, MediaSupport, PrefillReport};
+use crate::decode::{Engine, EngineOptions, ImageEmbeds};
+use crate::remote::{Conversation, RemoteOptions, RemotePrefiller, Route};
+use crate::vision::{self, MediaProcConfig, MlxVisionEncoder, NormEps, PreprocessedImage, VisionEncoder};
+
+/// The tensor whose presence says the checkpoint has a vision tower.
+const VISION_PROBE: &str = "vision_tower.patch_embed.proj.weight";
 
 pub struct MlxEngine {
     engine: Engine,
     max_context: usize,
+    dir: PathBuf,
+    remote: Option<RemotePrefiller>,
+    media: Option<MediaSupport>,
+    /// Loaded on the first image.
+    vision: Option<MlxVisionEncoder>,
+    vision_eps: NormEps,
 }
 
 impl MlxEngine {
@@ -18,16 +41,90 @@ impl MlxEngine {
     pub fn load(dir: &Path, options: EngineOptions, max_context: usize) -> anyhow::Result<Self> {
         let engine = Engine::load_with(dir, options)?;
         let max_context = if max_context == 0 { engine.text_config().max_position_embeddings } else { max_context };
-        Ok(MlxEngine { engine, max_context })
+        let ck = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        let media = if ck.tensor_names().any(|n| n == VISION_PROBE) {
+            match MediaProcConfig::load(dir, &ck.config().vision_config) {
+                Ok(config) => Some(MediaSupport { config, pad_id: engine.config().media_placeholder_token_id }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "image inputs are disabled: the pre-processing config cannot be used");
+                    None
+                }
+            }
+        } else {
+            tracing::info!("the checkpoint has no vision tower: image inputs are refused");
+            None
+        };
+        Ok(MlxEngine { engine, max_context, dir: dir.to_path_buf(), remote: None, media, vision: None, vision_eps: NormEps::default() })
+    }
+
+    /// Routes prompts through a prefill node (see [`RemotePrefiller::new`]: pairing problems do
+    /// not fail here, every remote attempt then falls back with the reason).
+    pub fn with_remote(mut self, opts: RemoteOptions) -> anyhow::Result<Self> {
+        self.remote = Some(RemotePrefiller::new(&self.engine, opts)?);
+        Ok(self)
+    }
+
+    /// The same with an explicit node config (tests: generated identities, fault hooks).
+    pub fn with_remote_config(mut self, opts: RemoteOptions, cfg: NodeConfig) -> anyhow::Result<Self> {
+        self.remote = Some(RemotePrefiller::with_node_config(&self.engine, opts, cfg)?);
+        Ok(self)
+    }
+
+    /// The epsilon of the vision RMSNorms (default: the released model's BF16 one).
+    pub fn with_vision_eps(mut self, eps: NormEps) -> Self {
+        self.vision_eps = eps;
+        self.vision = None;
+        self
     }
 
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
+
+    pub fn remote(&self) -> Option<&RemotePrefiller> {
+        self.remote.as_ref()
+    }
+
+    fn vision(&mut self) -> anyhow::Result<&MlxVisionEncoder> {
+        if self.media.is_none() {
+            anyhow::bail!("this model has no vision tower");
+        }
+        if self.vision.is_none() {
+            let t = Instant::now();
+            let ck = Checkpoint::open(&self.dir).with_context(|| format!("opening {}", self.dir.display()))?;
+            let enc = MlxVisionEncoder::load(&ck, self.vision_eps).context("loading the vision tower")?;
+            tracing::info!(seconds = format!("{:.2}", t.elapsed().as_secs_f64()), "vision tower loaded");
+            self.vision = Some(enc);
+        }
+        Ok(self.vision.as_ref().expect("loaded above"))
+    }
+
+    /// Prefills `tokens` (with image rows for their pads): through the prefill client when
+    /// there is one, else locally.
+    fn prefill_embeds(&mut self, s: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>) -> anyhow::Result<PrefillReport> {
+        let Some(remote) = self.remote.as_mut() else {
+            let t0 = Instant::now();
+            s.prefill_local(&self.engine, tokens, image)?;
+            return Ok(PrefillReport { tokens: tokens.len(), seconds: t0.elapsed().as_secs_f64(), ..Default::default() });
+        };
+        let t = remote.prefill(&self.engine, s, tokens, image)?;
+        let remote_route = t.route == Route::Remote;
+        Ok(PrefillReport {
+            tokens: t.prefill_tokens,
+            remote: remote_route,
+            // A local or fallback prefill counts its own time (a failed attempt is not prefill).
+            seconds: if remote_route { t.prefill_s } else { t.local_prefill_s.unwrap_or(t.prefill_s) },
+            handoff_bytes: t.state_bytes,
+            exposed_tail_seconds: t.exposed_tail_s.unwrap_or(0.0),
+            fell_back: t.route == Route::Fallback,
+            reason: t.reason,
+            ..Default::default()
+        })
+    }
 }
 
 impl GenerationEngine for MlxEngine {
-    type Session = Session;
+    type Session = Conversation;
 
     fn vocab_size(&self) -> usize {
         self.engine.text_config().vocab_size
@@ -35,30 +132,45 @@ impl GenerationEngine for MlxEngine {
     fn max_context(&self) -> usize {
         self.max_context
     }
-    fn new_session(&mut self) -> anyhow::Result<Session> {
-        self.engine.new_session()
+    fn new_session(&mut self) -> anyhow::Result<Conversation> {
+        Conversation::new(&self.engine)
     }
-    fn prefill(&mut self, s: &mut Session, tokens: &[u32]) -> anyhow::Result<PrefillReport> {
-        let t0 = Instant::now();
-        self.engine.prefill_local(s, tokens, None)?;
-        Ok(PrefillReport { tokens: tokens.len(), seconds: t0.elapsed().as_secs_f64(), ..Default::default() })
+    fn prefill(&mut self, s: &mut Conversation, tokens: &[u32]) -> anyhow::Result<PrefillReport> {
+        self.prefill_embeds(s, tokens, None)
     }
-    fn step(&mut self, s: &mut Session, token: u32) -> anyhow::Result<()> {
-        self.engine.step(s, token).map(|_| ())
+    fn step(&mut self, s: &mut Conversation, token: u32) -> anyhow::Result<()> {
+        s.step(&self.engine, token).map(|_| ())
     }
-    fn logits<'a>(&self, s: &'a Session) -> Option<&'a [f32]> {
+    fn logits<'a>(&self, s: &'a Conversation) -> Option<&'a [f32]> {
         s.last_logits()
     }
-    fn session_len(&self, s: &Session) -> usize {
-        s.tokens()
+    fn session_len(&self, s: &Conversation) -> usize {
+        s.session().tokens()
     }
-    fn session_bytes(&self, s: &Session) -> usize {
-        s.state_bytes()
+    fn session_bytes(&self, s: &Conversation) -> usize {
+        s.session().state_bytes() + 4 * s.tokens().len()
     }
-    fn fork(&mut self, s: &Session) -> anyhow::Result<Session> {
-        let state = self.engine.export_state(s)?;
-        let mut copy = self.engine.new_session()?;
-        self.engine.ingest(&mut copy, 0, &state, s.last_logits().map(<[f32]>::to_vec))?;
-        Ok(copy)
+    fn fork(&mut self, s: &Conversation) -> anyhow::Result<Conversation> {
+        s.fork(&self.engine)
+    }
+    fn media(&self) -> Option<MediaSupport> {
+        self.media.clone()
+    }
+    fn prefill_images(&mut self, s: &mut Conversation, tokens: &[u32], images: &[&PreprocessedImage]) -> anyhow::Result<PrefillReport> {
+        if images.is_empty() {
+            return self.prefill(s, tokens);
+        }
+        let t0 = Instant::now();
+        let enc = self.vision()?;
+        let mut features = Vec::with_capacity(images.len());
+        for (i, img) in images.iter().enumerate() {
+            features.push(enc.encode(img).with_context(|| format!("encoding image {} of {}", i + 1, images.len()))?);
+        }
+        let embeds = vision::image_embeds(&features);
+        let vision_seconds = t0.elapsed().as_secs_f64();
+        let mut report = self.prefill_embeds(s, tokens, Some(&embeds))?;
+        report.images = images.len();
+        report.vision_seconds = vision_seconds;
+        Ok(report)
     }
 }

@@ -36,10 +36,14 @@ use tokio::sync::mpsc;
 use crate::chat::parse::{FinishReason, OutputEvent, OutputParser, ToolCall};
 use crate::chat::render::render;
 use crate::tokenizer::Tokenizer;
-use api::{ApiError, GenSettings, Prompt};
+use api::{ApiError, ChatRequest, GenSettings, Prompt};
 use metrics::Metrics;
+use sessions::MediaKey;
 use stop::StopStrings;
-use worker::{EngineHandle, GenEvent, GenFinish, GenJob};
+use worker::{EngineHandle, GenEvent, GenFinish, GenJob, JobImage};
+
+/// Largest request body: a data-URL image of [`api::MAX_IMAGE_BYTES`] is 4/3 of it in base64.
+pub const MAX_BODY_BYTES: usize = api::MAX_IMAGE_BYTES / 3 * 4 + (8 << 20);
 
 /// Shared server state.
 pub struct AppState {
@@ -86,6 +90,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -136,7 +141,13 @@ fn fail(st: &AppState, e: ApiError) -> Response {
 }
 
 /// Resolves `max_tokens` against the context and queues the job.
-fn start(st: &AppState, prompt: &[u32], gen: &GenSettings, default_max: usize) -> Result<(mpsc::UnboundedReceiver<GenEvent>, usize), ApiError> {
+fn start(
+    st: &AppState,
+    prompt: &[u32],
+    images: Vec<JobImage>,
+    gen: &GenSettings,
+    default_max: usize,
+) -> Result<(mpsc::UnboundedReceiver<GenEvent>, usize), ApiError> {
     let ctx = st.engine.max_context;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
@@ -169,7 +180,7 @@ fn start(st: &AppState, prompt: &[u32], gen: &GenSettings, default_max: usize) -
         stop_ids.push(i);
     }
     st.engine
-        .submit(GenJob { prompt: prompt.to_vec(), max_tokens, sampling: gen.sampling.clone(), stop_ids, events: tx })
+        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, events: tx })
         .map_err(ApiError::unavailable)?;
     Ok((rx, max_tokens))
 }
@@ -284,15 +295,11 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
-    let segments = match render(&req.messages, &req.render) {
-        Ok(s) => s,
-        Err(e) => return fail(&st, ApiError::bad_request(e.0, Some("messages"))),
+    let (prompt, images) = match chat_prompt(&st, &req).await {
+        Ok(x) => x,
+        Err(e) => return fail(&st, e),
     };
-    let prompt = match st.tokenizer.encode_segments(&segments) {
-        Ok(p) => p,
-        Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages"))),
-    };
-    let (rx, _max) = match start(&st, &prompt, &req.gen, st.default_chat_max_tokens) {
+    let (rx, _max) = match start(&st, &prompt, images, &req.gen, st.default_chat_max_tokens) {
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };
@@ -308,6 +315,62 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
     } else {
         chat_whole(st, rx, run, id, req.model, prompt, req.gen).await
     }
+}
+
+/// Renders and tokenizes a chat request. Images are decoded and pre-processed here (off the
+/// async threads), their media blocks rendered, and each image's single `<|media_pad|>` expanded
+/// into as many pads as the image has feature rows; the engine thread runs the tower.
+async fn chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<JobImage>), ApiError> {
+    let mut opts = req.render.clone();
+    if !req.images.is_empty() {
+        let Some(media) = st.engine.media.clone() else {
+            return Err(ApiError::bad_request("this model has no vision tower: image inputs are not accepted", Some("messages")));
+        };
+        let inputs = req.images.clone();
+        let cfg = media.config.clone();
+        let prepared = tokio::task::spawn_blocking(move || {
+            inputs
+                .iter()
+                .map(|im| {
+                    let pre = crate::vision::preprocess_bytes(&im.bytes, &cfg)
+                        .map_err(|e| ApiError::bad_request(format!("{}: the image cannot be used: {e}", im.place()), Some("messages")))?;
+                    let digest: [u8; 32] = {
+                        use sha2::Digest;
+                        sha2::Sha256::digest(&im.bytes).into()
+                    };
+                    Ok((pre, digest))
+                })
+                .collect::<Result<Vec<_>, ApiError>>()
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("image pre-processing stopped: {e}")))??;
+        opts.image_prompts = Some(
+            prepared
+                .iter()
+                .map(|(p, _)| crate::chat::render::image_prompt(p.original_size.0 as u32, p.original_size.1 as u32))
+                .collect(),
+        );
+        let pad = media.pad_id;
+        let segments = render(&req.messages, &opts).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
+        let ids = st.tokenizer.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+        let counts: Vec<usize> = prepared.iter().map(|(p, _)| p.num_tokens()).collect();
+        let expanded = crate::vision::expand_media_ids(&ids, pad, &counts)
+            .map_err(|e| ApiError::bad_request(format!("placing the images in the prompt: {e}"), Some("messages")))?;
+        let images = prepared
+            .into_iter()
+            .zip(expanded.image_spans)
+            .map(|((image, digest), span)| JobImage { image, key: MediaKey { span, digest } })
+            .collect();
+        return Ok((expanded.ids, images));
+    }
+    let segments = render(&req.messages, &opts).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
+    let prompt = st.tokenizer.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+    if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
+        if prompt.contains(&pad) {
+            return Err(ApiError::bad_request("the prompt holds a media pad token but no image", Some("messages")));
+        }
+    }
+    Ok((prompt, Vec::new()))
 }
 
 async fn chat_whole(
@@ -478,7 +541,15 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
         },
     };
-    let (mut rx, _) = match start(&st, &prompt, &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS) {
+    if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
+        if prompt.contains(&pad) {
+            return fail(
+                &st,
+                ApiError::bad_request("the prompt holds <|media_pad|> tokens, which need an image: send images through /v1/chat/completions", Some("prompt")),
+            );
+        }
+    }
+    let (mut rx, _) = match start(&st, &prompt, Vec::new(), &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS) {
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };

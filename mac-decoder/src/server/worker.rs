@@ -10,8 +10,10 @@ use tokio::sync::mpsc;
 
 use super::engine::{GenerationEngine, PrefillReport};
 use super::metrics::Metrics;
-use super::sessions::SessionStore;
+use super::engine::MediaSupport;
+use super::sessions::{MediaKey, SessionStore};
 use crate::sampler::{Sampler, SamplingParams};
+use crate::vision::PreprocessedImage;
 
 /// Limits of the session store.
 #[derive(Debug, Clone)]
@@ -28,9 +30,18 @@ impl Default for StoreOptions {
     }
 }
 
+/// One image of a prompt: the tower's input and which pad run of the prompt it fills.
+pub struct JobImage {
+    pub image: PreprocessedImage,
+    /// Its pad run in the (expanded) prompt and a digest of the image bytes.
+    pub key: MediaKey,
+}
+
 /// One generation request.
 pub struct GenJob {
     pub prompt: Vec<u32>,
+    /// The images of the prompt, in order (their pad runs already expanded in `prompt`).
+    pub images: Vec<JobImage>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     /// Generation ends after emitting one of these (it is reported and fed).
@@ -62,6 +73,8 @@ pub struct EngineHandle {
     jobs: mpsc::UnboundedSender<GenJob>,
     pub vocab_size: usize,
     pub max_context: usize,
+    /// Image support of the engine (None: the model has no vision tower).
+    pub media: Option<MediaSupport>,
 }
 
 impl EngineHandle {
@@ -73,7 +86,8 @@ impl EngineHandle {
         F: FnOnce() -> anyhow::Result<E> + Send + 'static,
     {
         let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<GenJob>();
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<(usize, usize)>>();
+        type Ready = (usize, usize, Option<MediaSupport>);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<Ready>>();
         std::thread::Builder::new().name("k3-engine".into()).spawn(move || {
             let mut engine = match make() {
                 Ok(e) => e,
@@ -82,14 +96,14 @@ impl EngineHandle {
                     return;
                 }
             };
-            let _ = ready_tx.send(Ok((engine.vocab_size(), engine.max_context())));
+            let _ = ready_tx.send(Ok((engine.vocab_size(), engine.max_context(), engine.media())));
             let mut worker = Worker { store: SessionStore::new(store.max_sessions, store.max_bytes), checkpoints: store.checkpoints, metrics };
             while let Some(job) = jobs_rx.blocking_recv() {
                 worker.run(&mut engine, job);
             }
         })?;
-        let (vocab_size, max_context) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
-        Ok(EngineHandle { jobs: jobs_tx, vocab_size, max_context })
+        let (vocab_size, max_context, media) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
+        Ok(EngineHandle { jobs: jobs_tx, vocab_size, max_context, media })
     }
 
     /// Queues a job.
@@ -116,8 +130,20 @@ impl<S: 'static> Worker<S> {
     }
 
     /// Finds the best held state for the prompt and brings it to the end of the prompt.
-    fn prepare<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, prompt: &[u32]) -> anyhow::Result<(S, usize, PrefillReport)> {
-        if let Some(i) = self.store.best_match(prompt) {
+    fn prepare<E: GenerationEngine<Session = S>>(
+        &mut self,
+        engine: &mut E,
+        prompt: &[u32],
+        images: &[JobImage],
+        media: &[MediaKey],
+    ) -> anyhow::Result<(S, usize, PrefillReport)> {
+        // Prefills prompt[from..]: the images whose pad runs lie there go with it (a held state
+        // never ends inside an image run, see SessionStore::best_match).
+        let prefill_from = |engine: &mut E, session: &mut S, from: usize| {
+            let imgs: Vec<&PreprocessedImage> = images.iter().filter(|i| i.key.span.start >= from).map(|i| &i.image).collect();
+            engine.prefill_images(session, &prompt[from..], &imgs)
+        };
+        if let Some(i) = self.store.best_match(prompt, media) {
             let held = self.store.get(i).tokens.len();
             let mut session = if self.store.get(i).checkpoint {
                 self.store.touch(i);
@@ -126,7 +152,7 @@ impl<S: 'static> Worker<S> {
                 self.store.take(i).session
             };
             if held < prompt.len() {
-                let report = engine.prefill(&mut session, &prompt[held..])?;
+                let report = prefill_from(engine, &mut session, held)?;
                 return Ok((session, held, report));
             }
             if engine.logits(&session).is_some() {
@@ -135,14 +161,16 @@ impl<S: 'static> Worker<S> {
             tracing::debug!("held state matches the whole prompt but has no logits; prefilling afresh");
         }
         let mut session = engine.new_session()?;
-        let report = engine.prefill(&mut session, prompt)?;
+        let report = prefill_from(engine, &mut session, 0)?;
         Ok((session, 0, report))
     }
 
     fn generate<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) -> anyhow::Result<()> {
         anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
         let mut sampler = Sampler::new(job.sampling.clone()).map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
-        let (mut session, reused, report) = self.prepare(engine, &job.prompt)?;
+        let media: Vec<MediaKey> = job.images.iter().map(|i| i.key.clone()).collect();
+        let (mut session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
+        drop(job.images);
         self.metrics.reused_tokens.inc_by(reused as u64);
         if report.tokens > 0 {
             self.metrics.prefill(report.remote, report.tokens, report.seconds);
@@ -151,14 +179,25 @@ impl<S: 'static> Worker<S> {
         self.metrics.handoff_exposed_tail_seconds.inc_by(report.exposed_tail_seconds);
         if report.fell_back {
             self.metrics.prefill_fallbacks.inc();
+            tracing::info!(reason = %report.reason, "prefill fallback counted");
         }
-        tracing::debug!(prompt = job.prompt.len(), reused, prefilled = report.tokens, remote = report.remote, "prompt ready");
+        self.metrics.images.inc_by(report.images as u64);
+        self.metrics.vision_seconds.inc_by(report.vision_seconds);
+        tracing::debug!(
+            prompt = job.prompt.len(),
+            reused,
+            prefilled = report.tokens,
+            remote = report.remote,
+            images = report.images,
+            reason = %report.reason,
+            "prompt ready"
+        );
         let _ = job.events.send(GenEvent::Prefilled { reused_tokens: reused, report });
         if self.checkpoints {
             match engine.fork(&session) {
                 Ok(copy) => {
                     let bytes = engine.session_bytes(&copy);
-                    let ev = self.store.insert(job.prompt.clone(), copy, bytes, true);
+                    let ev = self.store.insert(job.prompt.clone(), media.clone(), copy, bytes, true);
                     self.metrics.sessions_evicted.inc_by(ev as u64);
                 }
                 Err(e) => tracing::warn!(error = %e, "could not checkpoint the session"),
@@ -193,7 +232,7 @@ impl<S: 'static> Worker<S> {
         let mut tokens = job.prompt;
         tokens.extend(generated);
         let bytes = engine.session_bytes(&session);
-        let ev = self.store.insert(tokens, session, bytes, false);
+        let ev = self.store.insert(tokens, media, session, bytes, false);
         self.metrics.sessions_evicted.inc_by(ev as u64);
         let _ = job.events.send(GenEvent::Done { finish, generated: n, decode_seconds });
         Ok(())

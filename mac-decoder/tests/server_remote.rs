@@ -1,0 +1,358 @@
+//! The server with `--prefill-node`: an in-process prefill node (CPU backend) on loopback QUIC,
+//! the MLX engine on a synthetic tiny model, requests over HTTP.
+//!
+//! - Prompts with at least `min_tokens` new tokens are prefilled on the node, and the greedy
+//!   completion equals a plain local prefill + greedy decode of the same ids; shorter prompts stay
+//!   local. A second turn sends the node only what it has not seen (the first reply and the new
+//!   tokens, on top of the first prompt it holds): node records and server metrics say so.
+//! - An image request prefilled on the node equals a local prefill with the same image rows.
+//! - A node that is not there, or serves another model, ends in a local prefill with the same
+//!   tokens, a log line saying why, and the fallback counted.
+#![cfg(feature = "mlx")]
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use cuda_prefiller::cpu::CpuBackend;
+use cuda_prefiller::model::{Model, WeightPolicy};
+use cuda_prefiller::server::{PrefillNode, ServeOptions};
+use k3_protocol::synth::{write_model, Preset, SynthOptions};
+use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
+use k3_protocol::{Checkpoint, Fingerprint};
+use mac_decoder::decode::{Engine, EngineOptions, GenerateParams};
+use mac_decoder::remote::RemoteOptions;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::mlx_engine::MlxEngine;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::{names, Tokenizer};
+use mac_decoder::vision::{self, MlxVisionEncoder, NormEps};
+use serde_json::{json, Value};
+
+/// Prompts with at least this many new tokens go to the node.
+const MIN_TOKENS: usize = 32;
+
+// ---- logs of every thread (the engine thread logs the fallbacks) ----
+
+#[derive(Clone, Default)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+/// Everything logged (info and up) by this test binary so far; tests tell their lines apart by
+/// the node address in them.
+fn logs() -> String {
+    static BUF: OnceLock<LogBuf> = OnceLock::new();
+    let buf = BUF.get_or_init(|| {
+        let b = LogBuf::default();
+        let sub = tracing_subscriber::fmt().with_writer(b.clone()).with_ansi(false).with_max_level(tracing::Level::INFO).finish();
+        let _ = tracing::subscriber::set_global_default(sub);
+        b
+    });
+    String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned()
+}
+
+// ---- the two nodes ----
+
+fn synth(seed: u64, layers: Option<usize>) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = SynthOptions::new(Preset::Tiny);
+    o.seed = seed;
+    o.progress = false;
+    o.overrides.layers = layers;
+    write_model(dir.path(), &o).unwrap();
+    dir
+}
+
+fn fingerprint(dir: &Path) -> Fingerprint {
+    Checkpoint::open(dir).unwrap().fingerprint()
+}
+
+fn tuning() -> Tuning {
+    Tuning {
+        idle_timeout: Duration::from_secs(2),
+        keep_alive: Duration::from_millis(300),
+        heartbeat: Duration::from_millis(300),
+        inactivity_timeout: Duration::from_secs(10),
+        stall_timeout: Duration::from_secs(5),
+        ..Tuning::default()
+    }
+}
+
+/// A prefill node's and a decoder's configs pinning each other's fresh certificates.
+fn paired(server_model: Fingerprint, client_model: Fingerprint) -> (NodeConfig, NodeConfig) {
+    let s = NodeIdentity::generate().unwrap();
+    let c = NodeIdentity::generate().unwrap();
+    let mut server = NodeConfig::new(s.clone(), PeerAuth::pinned(c.fingerprint()), server_model, "cpu");
+    let mut client = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), client_model, "mlx");
+    server.tuning = tuning();
+    client.tuning = tuning();
+    (server, client)
+}
+
+/// A prefill node serving `dir` on the CPU backend, on a loopback port.
+fn start_node(dir: &Path, cfg: NodeConfig) -> PrefillNode {
+    let ck = Arc::new(Checkpoint::open(dir).unwrap());
+    let model = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
+    PrefillNode::start(model, "127.0.0.1:0".parse().unwrap(), cfg, ServeOptions::default()).unwrap()
+}
+
+fn remote_options(addr: SocketAddr) -> RemoteOptions {
+    let mut o = RemoteOptions::new(addr.to_string());
+    o.min_tokens = MIN_TOKENS;
+    o.connect_timeout = Duration::from_secs(2);
+    o.tuning = tuning();
+    o.streams = 3;
+    o.chunk_bytes = 16 << 10;
+    o
+}
+
+struct Server {
+    base: String,
+}
+
+/// The OpenAI server on `model`, prefilling through the node at `node` with `client` as its
+/// identity.
+async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> Server {
+    let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
+    let metrics = Arc::new(Metrics::new());
+    let dir = model.to_path_buf();
+    let engine = EngineHandle::spawn(
+        move || MlxEngine::load(&dir, EngineOptions::default(), 0)?.with_remote_config(remote_options(node), client),
+        StoreOptions::default(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    Server { base: format!("http://{addr}") }
+}
+
+async fn post(s: &Server, path: &str, body: Value) -> Value {
+    let r = reqwest::Client::new().post(format!("{}{path}", s.base)).json(&body).send().await.unwrap();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// A metric's value from the exposition (`name` with its labels, e.g. `k3_x_total{where="local"}`).
+async fn metric(s: &Server, name: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", s.base)).await.unwrap().text().await.unwrap();
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+const REMOTE: &str = "k3_prefill_tokens_total{where=\"remote\"}";
+const LOCAL: &str = "k3_prefill_tokens_total{where=\"local\"}";
+const FALLBACKS: &str = "k3_prefill_fallbacks_total";
+
+/// The reference: a plain local prefill of `prompt` (with image rows) then greedy decoding with
+/// the server's stop ids, on a separately loaded engine.
+fn local_greedy(model: &Path, prompt: &[u32], image: Option<&vision::ImageFeatures>, n: usize) -> Vec<u32> {
+    let engine = Engine::load(model).unwrap();
+    let tok = Tokenizer::from_dir(model).unwrap();
+    let mut s = engine.new_session().unwrap();
+    let embeds = image.map(|f| vision::image_embeds(std::slice::from_ref(f)));
+    engine.prefill_local(&mut s, prompt, embeds.as_ref()).unwrap();
+    let mut params = GenerateParams::greedy(n);
+    params.stop_tokens = [names::END_OF_MSG, names::EOS].iter().filter_map(|n| tok.special_id(n)).collect();
+    engine.generate(&mut s, &params, |_| true).unwrap().tokens
+}
+
+fn chat(content: Value, max_tokens: usize) -> Value {
+    json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, "return_token_ids": true})
+}
+
+/// A node's request records once it has at least `n` (it records after the answer went out).
+fn records(node: &PrefillNode, n: usize) -> Vec<cuda_prefiller::server::RequestRecord> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let r = node.snapshot().recent;
+        if r.len() >= n || t0.elapsed() > Duration::from_secs(10) {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The prefill node runs its own runtime, so tests start it outside the HTTP side's.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+#[test]
+fn remote_prefill_equals_local_and_the_next_turn_sends_only_new_tokens() {
+    let model = synth(3, None);
+    let fp = fingerprint(model.path());
+    let (scfg, ccfg) = paired(fp, fp);
+    let node = start_node(model.path(), scfg);
+    runtime().block_on(async {
+        let s = start_server(model.path(), node.local_addr(), ccfg).await;
+
+        // Turn 1: a chat prompt, all new, goes to the node.
+        let v1 = post(&s, "/v1/chat/completions", chat(json!("Tell me about the split between prefill and decode."), 8)).await;
+        let p1 = ids(&v1["prompt_token_ids"]);
+        let g1 = ids(&v1["choices"][0]["token_ids"]);
+        assert!(p1.len() >= MIN_TOKENS && !g1.is_empty());
+        assert_eq!(metric(&s, REMOTE).await, p1.len() as f64, "turn 1 prefilled on the node");
+        assert_eq!(metric(&s, LOCAL).await, 0.0);
+        assert!(metric(&s, "k3_handoff_bytes_total").await > 0.0);
+        assert!(metric(&s, "k3_prefill_seconds_total{where=\"remote\"}").await > 0.0);
+        assert!(metric(&s, "k3_handoff_exposed_tail_seconds_total").await > 0.0);
+        assert_eq!(metric(&s, FALLBACKS).await, 0.0);
+        assert_eq!(g1, local_greedy(model.path(), &p1, None, 8), "remote-prefilled greedy tokens = local ones");
+        let r = records(&node, 1);
+        assert_eq!((r[0].base_tokens, r[0].new_tokens), (0, p1.len() as u64));
+
+        // Turn 2 continues turn 1 (its prompt, the reply, new tokens): the server reuses its live
+        // state, and the node, which holds turn 1's prompt, gets only the reply and the new tokens.
+        let extra: Vec<u32> = (0..40).map(|i| (i * 29 % 700) as u32 + 40).collect();
+        let mut p2 = p1.clone();
+        p2.extend(&g1);
+        p2.extend(&extra);
+        let v2 = post(&s, "/v1/completions", json!({"prompt": p2, "max_tokens": 6, "temperature": 0, "return_token_ids": true})).await;
+        assert_eq!(v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some((p1.len() + g1.len()) as u64));
+        let sent = (g1.len() + extra.len()) as u64;
+        assert_eq!(metric(&s, REMOTE).await, (p1.len() as u64 + sent) as f64, "turn 2 sends the node only what it has not seen");
+        let r = records(&node, 2);
+        assert_eq!((r[1].base_tokens, r[1].new_tokens), (p1.len() as u64, sent), "{r:?}");
+        assert_eq!(
+            ids(&v2["choices"][0]["token_ids"]),
+            local_greedy(model.path(), &p2, None, 6),
+            "turn 2 = a one-shot local prefill of the whole conversation"
+        );
+
+        // Fewer new tokens than the threshold: local.
+        let short: Vec<u32> = (0..10).map(|i| i as u32 + 50).collect();
+        let v3 = post(&s, "/v1/completions", json!({"prompt": short, "max_tokens": 3, "temperature": 0, "return_token_ids": true})).await;
+        assert_eq!(metric(&s, LOCAL).await, 10.0);
+        assert_eq!(metric(&s, REMOTE).await, (p1.len() as u64 + sent) as f64);
+        assert_eq!(ids(&v3["choices"][0]["token_ids"]), local_greedy(model.path(), &short, None, 3));
+        assert_eq!(metric(&s, FALLBACKS).await, 0.0);
+    });
+}
+
+/// A small RGB PNG with a deterministic pattern.
+fn png(w: u32, h: u32, seed: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7 + seed) as u8, (y * 13 + seed * 3) as u8, ((x ^ y) * 5) as u8]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+fn data_url(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+#[test]
+fn image_prompt_prefilled_on_the_node_equals_local() {
+    let model = synth(4, None);
+    let fp = fingerprint(model.path());
+    let (scfg, ccfg) = paired(fp, fp);
+    let node = start_node(model.path(), scfg);
+    runtime().block_on(async {
+        let s = start_server(model.path(), node.local_addr(), ccfg).await;
+
+        let img = png(84, 50, 1);
+        let content = json!([{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": data_url(&img)}}]);
+        let v = post(&s, "/v1/chat/completions", chat(content, 8)).await;
+        let prompt = ids(&v["prompt_token_ids"]);
+        assert_eq!(metric(&s, REMOTE).await, prompt.len() as f64, "prefilled on the node, image rows included");
+        assert_eq!(metric(&s, "k3_images_total").await, 1.0);
+        let r = records(&node, 1);
+        assert_eq!(r[0].new_tokens, prompt.len() as u64);
+
+        let ck = Checkpoint::open(model.path()).unwrap();
+        let enc = MlxVisionEncoder::load(&ck, NormEps::Bf16).unwrap();
+        let features = vision::encode_image_bytes(&enc, &img).unwrap();
+        let pad = ck.config().media_placeholder_token_id;
+        assert_eq!(prompt.iter().filter(|&&t| t == pad).count(), features.rows);
+        assert_eq!(ids(&v["choices"][0]["token_ids"]), local_greedy(model.path(), &prompt, Some(&features), 8));
+    });
+}
+
+/// A fallback for every request: same tokens as a local run, counted, and logged with the cause.
+async fn check_fallbacks(model: &Path, s: &Server, node: SocketAddr, cause: &str) {
+    let v = post(s, "/v1/chat/completions", chat(json!("Is anybody there?"), 6)).await;
+    let p = ids(&v["prompt_token_ids"]);
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), local_greedy(model, &p, None, 6), "the fallback answers like a local prefill");
+    assert_eq!(metric(s, FALLBACKS).await, 1.0);
+    assert_eq!(metric(s, REMOTE).await, 0.0);
+    assert_eq!(metric(s, LOCAL).await, p.len() as f64);
+    let log = logs();
+    let line = log
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains(&format!("remote prefill on {node} failed")))
+        .unwrap_or_else(|| panic!("no warning naming {node}:\n{log}"));
+    eprintln!("{line}");
+    assert!(line.contains(cause) && line.contains("prefilling locally"), "{line}");
+
+    // The node stays marked down for a while: the next prompt falls back at once, counted again.
+    let t0 = std::time::Instant::now();
+    let v = post(s, "/v1/completions", json!({"prompt": (0..50).map(|i| i + 60).collect::<Vec<u32>>(), "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(2));
+    assert!(t0.elapsed() < Duration::from_secs(2), "the second request waited on the dead node again");
+    assert_eq!(metric(s, FALLBACKS).await, 2.0);
+}
+
+#[test]
+fn unreachable_node_falls_back_to_local_prefill() {
+    logs();
+    let model = synth(5, None);
+    let fp = fingerprint(model.path());
+    let (_scfg, ccfg) = paired(fp, fp);
+    // A loopback port nobody serves.
+    let addr = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    runtime().block_on(async {
+        let s = start_server(model.path(), addr, ccfg).await;
+        check_fallbacks(model.path(), &s, addr, "cannot reach").await;
+    });
+}
+
+#[test]
+fn node_with_another_model_falls_back_to_local_prefill() {
+    logs();
+    let model = synth(6, None);
+    let other = synth(7, Some(5));
+    let (theirs, ours) = (fingerprint(other.path()), fingerprint(model.path()));
+    assert_ne!(theirs, ours);
+    let (scfg, ccfg) = paired(theirs, ours);
+    let node = start_node(other.path(), scfg);
+    runtime().block_on(async {
+        let s = start_server(model.path(), node.local_addr(), ccfg).await;
+        check_fallbacks(model.path(), &s, node.local_addr(), "fingerprint mismatch").await;
+    });
+    assert_eq!(node.snapshot().counters.requests, 0, "no request reached the other model's node");
+}
