@@ -36,6 +36,9 @@ pub struct Args {
     /// Also stop at the model's eos_token_id.
     #[arg(long)]
     pub stop_at_eos: bool,
+    /// Weights in BF16 as stored (the Metal path; MLX's CPU backend is faster in f32, the default).
+    #[arg(long)]
+    pub bf16: bool,
     /// Tokens per local-prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
@@ -87,7 +90,7 @@ pub fn run(_args: Args) -> anyhow::Result<()> {
 
 #[cfg(feature = "mlx")]
 pub fn run(args: Args) -> anyhow::Result<()> {
-    use crate::decode::{Engine, EngineOptions, GenerateParams};
+    use crate::decode::{ComputeDtype, Engine, EngineOptions, GenerateParams};
     use crate::sampler::SamplingParams;
 
     if args.prefill_node.is_some() || !args.next_turn.is_empty() {
@@ -97,9 +100,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("give --input-ids (local prefill), --state (hand-off state), or both");
     }
     let ids = args.input_ids.as_deref().map(read_ids).transpose()?;
-    let engine = Engine::load_with(
+    let engine = Engine::load_with_dtype(
         &args.model,
         EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) },
+        if args.bf16 { ComputeDtype::Bf16 } else { ComputeDtype::F32 },
     )?;
     let mut session = engine.new_session()?;
     if let Some(state) = &args.state {
