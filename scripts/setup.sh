@@ -31,6 +31,8 @@ fi
 
 # --- 1. system packages ---------------------------------------------------------------------
 APT_PKGS=(cmake clang libclang-dev libopenblas-dev pkg-config)
+# pip downloads the MLX wheel; a bare Debian python3 may lack it
+python3 -m pip --version >/dev/null 2>&1 || APT_PKGS+=(python3-pip)
 missing=()
 for p in "${APT_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
