@@ -130,3 +130,27 @@ impl ModelCache {
             .sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mlx::{array_f32, to_vec_f32};
+
+    #[test]
+    fn mla_rows_append_and_truncate() {
+        let mut m = MlaCache::new(2);
+        assert_eq!(m.rows(), 0);
+        m.append(&array_f32(&[1.0, 2.0, 3.0, 4.0], &[2, 2], "a").unwrap()).unwrap();
+        let all = m.append(&array_f32(&[5.0, 6.0], &[1, 2], "b").unwrap()).unwrap();
+        assert_eq!(to_vec_f32(&all).unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        m.truncate(2).unwrap();
+        assert_eq!(m.rows(), 2);
+        assert_eq!(to_vec_f32(m.latent.as_ref().unwrap()).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+        m.truncate(5).unwrap();
+        assert_eq!(m.rows(), 2);
+        m.truncate(0).unwrap();
+        assert!(m.latent.is_none());
+        let m = MlaCache::from_rows(2, Some(array_f32(&[0.0; 6], &[3, 2], "c").unwrap()));
+        assert_eq!(m.rows(), 3);
+    }
+}
