@@ -355,6 +355,17 @@ impl RemotePrefiller {
     }
 }
 
+impl Drop for RemotePrefiller {
+    /// Says goodbye to the node (it would otherwise keep the connection until its idle timeout).
+    fn drop(&mut self) {
+        if let Some(c) = self.client.take() {
+            if tokio::runtime::Handle::try_current().is_err() {
+                self.rt.block_on(c.close());
+            }
+        }
+    }
+}
+
 /// What a finished transfer brought.
 struct Received {
     summary: k3_protocol::transport::TransferSummary,
@@ -418,7 +429,7 @@ fn image_rows(engine: &Engine, plan: &RemotePlan, new: &[u32], image: Option<&Im
     for (i, &t) in new.iter().enumerate() {
         if t == cfg.pad_token_id && t != cfg.media_placeholder_token_id {
             positions.push((plan.new_offset + i) as u32);
-            rows.extend(std::iter::repeat(0.0).take(h));
+            rows.extend(std::iter::repeat_n(0.0, h));
         }
     }
     Ok(Some(ImageEmbeddings { positions, width: h as u32, rows }))
