@@ -253,11 +253,25 @@ fn remote_prefill_equals_local_and_the_next_turn_sends_only_new_tokens() {
             "turn 2 = a one-shot local prefill of the whole conversation"
         );
 
+        // An edited reply: the server continues turn 1's prompt checkpoint (a copy that names
+        // the node's old prefix); the node now holds turn 2's, refuses that base, and the whole
+        // conversation is sent again. Still the one-shot answer.
+        let mut p2b = p1.clone();
+        p2b.extend((0..12).map(|i| i as u32 + 300));
+        p2b.extend(&extra);
+        let v2b = post(&s, "/v1/completions", json!({"prompt": p2b, "max_tokens": 6, "temperature": 0, "return_token_ids": true})).await;
+        assert_eq!(v2b["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(p1.len() as u64));
+        let r = records(&node, 4);
+        assert_eq!((r[3].base_tokens, r[3].new_tokens), (0, p2b.len() as u64), "resent whole after the refusal: {r:?}");
+        assert_eq!(metric(&s, REMOTE).await, (p1.len() as u64 + sent + p2b.len() as u64) as f64);
+        assert_eq!(ids(&v2b["choices"][0]["token_ids"]), local_greedy(model.path(), &p2b, None, 6));
+        let remote_before_short = metric(&s, REMOTE).await;
+
         // Fewer new tokens than the threshold: local.
         let short: Vec<u32> = (0..10).map(|i| i as u32 + 50).collect();
         let v3 = post(&s, "/v1/completions", json!({"prompt": short, "max_tokens": 3, "temperature": 0, "return_token_ids": true})).await;
         assert_eq!(metric(&s, LOCAL).await, 10.0);
-        assert_eq!(metric(&s, REMOTE).await, (p1.len() as u64 + sent) as f64);
+        assert_eq!(metric(&s, REMOTE).await, remote_before_short);
         assert_eq!(ids(&v3["choices"][0]["token_ids"]), local_greedy(model.path(), &short, None, 3));
         assert_eq!(metric(&s, FALLBACKS).await, 0.0);
     });

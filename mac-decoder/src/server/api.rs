@@ -357,7 +357,7 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
             Some("text") => None,
             Some("json_object") => Some(rf.clone()),
             Some("json_schema") => {
-                if !rf.get("json_schema").is_some_and(|s| s.as_object().is_some()) {
+                if rf.get("json_schema").is_none_or(|s| s.as_object().is_none()) {
                     return Err(ApiError::bad_request("`response_format.json_schema` must be an object", Some("response_format")));
                 }
                 Some(rf.clone())

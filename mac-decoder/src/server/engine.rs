@@ -78,6 +78,9 @@ pub trait GenerationEngine: 'static {
     }
 }
 
+/// The fake engine's script: the whole reply to a prompt.
+type Responder = Box<dyn Fn(&[u32]) -> Vec<u32> + Send>;
+
 /// A deterministic stand-in model for tests: the next token is a function of every token the
 /// session has consumed, so a wrongly reused or corrupted session changes the output.
 ///
@@ -91,7 +94,7 @@ pub struct FakeEngine {
     max_context: usize,
     reply_marker: Vec<u32>,
     stop_id: u32,
-    responder: Box<dyn Fn(&[u32]) -> Vec<u32> + Send>,
+    responder: Responder,
     /// Simulated time per prefilled token.
     pub prefill_delay_per_token: Duration,
     /// Simulated time per generated token.
