@@ -130,3 +130,24 @@ impl Golden {
         t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect()
     }
 }
+
+#[test]
+fn multimodal_prompt_remote_matches_golden() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let g = Golden::load(&dir.join("golden.safetensors"));
+    let ids = g.ids("mm.input_ids_expanded");
+    let (shape, embeds) = g.f32("mm.image_embeds");
+    let (_, mm_logits) = g.f32("mm.logits");
+    let image = mac_decoder::decode::ImageEmbeds { rows: shape[0], data: embeds };
+    let mut s = split(&dir);
+    let mut conv = Conversation::new(&s.engine).unwrap();
+    let t = s.remote.prefill(&s.engine, &mut conv, &ids, Some(&image)).unwrap();
+    assert_eq!(t.route, Route::Remote, "{}", t.reason);
+    let last = &mm_logits[(ids.len() - 1) * 1024..];
+    let err = rel_l2(conv.last_logits().unwrap(), last);
+    assert!(err <= 1e-3, "remote multimodal prefill vs golden mm.logits: relative error {err:.2e}");
+    // Without the image rows the node would compute something else: the check can fail.
+    let plain = cpu_prefill(&cpu_model(&dir), &ids).1;
+    assert!(rel_l2(&plain, last) > 1e-2, "the image rows do not matter for this prompt?");
+}
