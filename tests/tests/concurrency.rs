@@ -15,7 +15,14 @@ fn two_decoders_share_one_node() {
     init_tracing();
     let dir = golden_dir("tiny-a");
     let fp = fingerprint_of(&dir);
-    let (scfg, ccfg) = paired(fp, fp);
+    let (mut scfg, mut ccfg) = paired(fp, fp);
+    // No fault is injected here: keep the production-size stall and idle limits, so that the two
+    // MLX decoders competing for 2 CPU cores (one verifying against a local prefill while the
+    // other confirms its hand-off) are not mistaken for a stalled peer.
+    for c in [&mut scfg, &mut ccfg] {
+        c.tuning.stall_timeout = Duration::from_secs(60);
+        c.tuning.idle_timeout = Duration::from_secs(30);
+    }
     // Slow layers: the two requests surely overlap.
     let opts = ServeOptions { layer_delay: Duration::from_millis(60), ..ServeOptions::default() };
     let node = start_node(&dir, scfg, opts);
