@@ -16,11 +16,17 @@ fn binaries() -> (PathBuf, PathBuf) {
     static BUILD: std::sync::Once = std::sync::Once::new();
     BUILD.call_once(|| {
         let cargo = option_env!("CARGO").unwrap_or("cargo");
-        let status = Command::new(cargo)
-            .args(["build", "--bins", "-p", "cuda-prefiller", "-p", "mac-decoder"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--bins", "-p", "cuda-prefiller", "-p", "mac-decoder"]).current_dir(env!("CARGO_MANIFEST_DIR"));
+        // The variables cargo sets for this test process would make the build look different
+        // (ring's build script tracks CARGO_MANIFEST_DIR) and rebuild everything every time.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if (k.starts_with("CARGO_") && k != "CARGO_HOME" && k != "CARGO_TARGET_DIR") || k == "OUT_DIR" {
+                cmd.env_remove(k);
+            }
+        }
+        let status = cmd.status().expect("running cargo build");
         assert!(status.success(), "cargo build of the binaries failed");
     });
     let (p, d) = (workspace_binary("k3-prefill"), workspace_binary("k3-decode"));
