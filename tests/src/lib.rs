@@ -28,7 +28,9 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// Timeouts short enough for tests (a dead node is noticed within ~2 s).
+/// Timeouts for tests that kill a node: a dead peer is noticed within ~2 s. Too tight for tests
+/// that expect success on a loaded 2-core box (a starved process can miss its keep-alives):
+/// [`paired`] uses the production limits.
 pub fn test_tuning() -> Tuning {
     Tuning {
         idle_timeout: Duration::from_secs(2),
@@ -49,8 +51,6 @@ pub fn paired(server_model: Fingerprint, client_model: Fingerprint) -> (NodeConf
     let mut client = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), client_model, "mlx");
     server.node_name = "e2e-prefill".into();
     client.node_name = "e2e-decoder".into();
-    server.tuning = test_tuning();
-    client.tuning = test_tuning();
     (server, client)
 }
 
@@ -73,8 +73,7 @@ pub fn start_node(dir: &Path, cfg: NodeConfig, opts: ServeOptions) -> PrefillNod
 pub fn remote_options(addr: SocketAddr, min_tokens: usize) -> RemoteOptions {
     let mut o = RemoteOptions::new(addr.to_string());
     o.min_tokens = min_tokens;
-    o.connect_timeout = Duration::from_secs(2);
-    o.tuning = test_tuning();
+    o.connect_timeout = Duration::from_secs(10);
     o.streams = 3;
     o.chunk_bytes = 16 << 10; // several chunks per layer even for tiny models
     o

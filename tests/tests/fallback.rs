@@ -43,7 +43,10 @@ fn node_killed_mid_transfer() {
     init_tracing();
     let dir = golden_dir("tiny-a");
     let fp = fingerprint_of(&dir);
-    let (scfg, ccfg) = paired(fp, fp);
+    let (mut scfg, mut ccfg) = paired(fp, fp);
+    // Short QUIC idle timeout: the dead node is noticed within ~2 s.
+    scfg.tuning = test_tuning();
+    ccfg.tuning = test_tuning();
     // Slow layers, so the transfer is surely in progress when the node dies.
     let opts = ServeOptions { layer_delay: Duration::from_millis(250), ..ServeOptions::default() };
     let node = start_node(&dir, scfg, opts);
@@ -141,7 +144,9 @@ fn node_not_there() {
     // A loopback port nobody listens on.
     let addr = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let engine = Engine::load(&dir).unwrap();
-    let mut remote = remote(&engine, addr, ccfg, 1);
+    let mut opts = remote_options(addr, 1);
+    opts.connect_timeout = Duration::from_secs(1);
+    let mut remote = RemotePrefiller::with_node_config(&engine, opts, ccfg).unwrap();
     let (out, t) = {
         let mut conv = Conversation::new(&engine).unwrap();
         let (cap, guard) = LogCapture::start();
