@@ -104,6 +104,21 @@ impl ServerMetrics {
         }
     }
 
+    /// Changes the outcome of a recorded request (a `Completed` one whose delivery then failed).
+    pub fn amend(&self, request: u64, peer: &str, outcome: Outcome) {
+        if let Ok(mut g) = self.inner.lock() {
+            let (c, recent) = &mut *g;
+            let Some(r) = recent.iter_mut().rev().find(|r| r.request == request && r.peer == peer) else { return };
+            let old = std::mem::replace(&mut r.outcome, outcome.clone());
+            if old == Outcome::Completed && outcome != Outcome::Completed {
+                c.completed = c.completed.saturating_sub(1);
+                c.tokens_prefilled = c.tokens_prefilled.saturating_sub(r.new_tokens);
+                c.state_bytes_sent = c.state_bytes_sent.saturating_sub(r.state_bytes);
+                c.failed += 1;
+            }
+        }
+    }
+
     pub fn counters(&self) -> Counters {
         self.inner.lock().map(|g| g.0.clone()).unwrap_or_default()
     }

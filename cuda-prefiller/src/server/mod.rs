@@ -262,24 +262,28 @@ async fn serve(server: PrefillServer, sh: Arc<Shared>, mut stop: watch::Receiver
     while conns.join_next().await.is_some() {}
 }
 
-/// One decoder's connection: its requests one after another (a decoder does not pipeline).
+/// One decoder's connection. Each request runs in its own task: a decoder sends its next
+/// request as soon as it has `Done`, while the previous request's task may still be waiting for
+/// the last acknowledgements (and the compute worker orders the actual work).
 async fn serve_connection(mut conn: PrefillConnection, sh: Arc<Shared>) {
     let peer = conn.peer().addr;
     let name = conn.peer().node_name.clone();
     let mut errors = 0;
+    let mut requests = tokio::task::JoinSet::new();
     loop {
+        while requests.try_join_next().is_some() {}
         match conn.next_request().await {
             Ok(Some(req)) => {
                 errors = 0;
-                request::handle(sh.clone(), req).await;
+                requests.spawn(request::handle(sh.clone(), req));
             }
             Ok(None) => {
                 tracing::info!(%peer, %name, "decoder disconnected");
-                return;
+                break;
             }
             Err(e @ (TransferError::ConnectionLost { .. } | TransferError::Stalled { .. })) => {
                 tracing::info!(%peer, %name, "decoder connection ended: {e}");
-                return;
+                break;
             }
             Err(e) => {
                 // Already answered with an Error; the connection stays up unless it keeps failing.
@@ -292,9 +296,11 @@ async fn serve_connection(mut conn: PrefillConnection, sh: Arc<Shared>) {
                 if errors >= 8 {
                     tracing::warn!(%peer, %name, "too many bad requests in a row; closing the connection");
                     conn.close("too many bad requests");
-                    return;
+                    break;
                 }
             }
         }
     }
+    // Requests still running end on their own once the connection is gone.
+    while requests.join_next().await.is_some() {}
 }

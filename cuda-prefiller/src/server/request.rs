@@ -156,6 +156,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
     let want_logits = r.options.return_last_logits;
     let tokens = r.tokens.clone();
     let layout = StateLayout::for_model(&sh.text_config, tokens.len());
+    let state_bytes = layout.nbytes().unwrap_or(0);
     let base = state.tokens as u64;
 
     // 4. Accept: the decoder learns the layout, the data streams open.
@@ -247,48 +248,46 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
     let (Ok(logits), Some(new_state)) = (done.result, done.state) else { unreachable!("failure handled above") };
     let timing = Timing { compute_s: done.compute_s, ..Default::default() };
 
-    // 6. Done (returns once the decoder has every byte), then keep the new prefix.
-    match tx.finish(timing, want_logits.then_some(logits)).await {
-        Ok(t) => {
-            record.state_bytes = t.state_bytes;
-            record.total_s = t.total_s;
-            let stats = {
-                let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
-                if keep {
-                    let mut all = start.prefix.unwrap_or_default();
-                    all.extend_from_slice(&tokens);
-                    store.store(session, all, new_state, Instant::now());
-                } else {
-                    store.forget(&session);
-                }
-                store.stats()
-            };
-            tracing::info!(
-                %peer,
-                %session,
-                base,
-                new = new_tokens,
-                compute_s = format!("{:.3}", done.compute_s),
-                queue_s = format!("{:.3}", done.queue_s),
-                network_wait_s = format!("{:.3}", done.network_wait_s),
-                total_s = format!("{:.3}", t.total_s),
-                tok_per_s = format!("{:.1}", new_tokens as f64 / done.compute_s.max(1e-9)),
-                state_mb = format!("{:.2}", t.state_bytes as f64 / 1e6),
-                sessions = stats.sessions,
-                sessions_mb = format!("{:.1}", stats.bytes as f64 / 1e6),
-                "prefill done"
-            );
+    // 6. Keep the new prefix now, before `Done` goes out: the decoder may name it in its next
+    // request as soon as it has `Done`, while `finish` still waits for the last acknowledgements.
+    let mut all = start.prefix.unwrap_or_default();
+    all.extend_from_slice(&tokens);
+    let stats = {
+        let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if keep {
+            store.store(session, all.clone(), new_state, Instant::now());
+        } else {
+            store.forget(&session);
         }
-        Err(e) => {
-            // The decoder did not get everything: it still counts on the old prefix, which the
-            // executor has advanced. Drop the session; the next turn resends.
-            sh.sessions.lock().unwrap_or_else(|p| p.into_inner()).forget(&session);
-            tracing::warn!(%peer, %session, "hand-off not delivered: {e}");
-            record.outcome = Outcome::Failed { reason: format!("transfer: {e}") };
-            record.total_s = accepted_at.elapsed().as_secs_f64();
-        }
+        store.stats()
+    };
+    record.state_bytes = state_bytes;
+    record.total_s = accepted_at.elapsed().as_secs_f64();
+    sh.metrics.record(record.clone());
+    tracing::info!(
+        %peer,
+        %session,
+        base,
+        new = new_tokens,
+        compute_s = format!("{:.3}", done.compute_s),
+        queue_s = format!("{:.3}", done.queue_s),
+        network_wait_s = format!("{:.3}", done.network_wait_s),
+        total_s = format!("{:.3}", record.total_s),
+        tok_per_s = format!("{:.1}", new_tokens as f64 / done.compute_s.max(1e-9)),
+        state_mb = format!("{:.2}", state_bytes as f64 / 1e6),
+        sessions = stats.sessions,
+        sessions_mb = format!("{:.1}", stats.bytes as f64 / 1e6),
+        "prefill done"
+    );
+
+    // 7. Done (returns once the decoder acknowledged every byte).
+    if let Err(e) = tx.finish(timing, want_logits.then_some(logits)).await {
+        // The decoder may not have everything. Drop the prefix stored above unless the decoder
+        // already named it in a new request (then it did get `Done`).
+        sh.sessions.lock().unwrap_or_else(|p| p.into_inner()).forget_if_idle(&session, &all);
+        tracing::warn!(%peer, %session, "hand-off not delivered: {e}");
+        sh.metrics.amend(record.request, &record.peer, Outcome::Failed { reason: format!("transfer: {e}") });
     }
-    sh.metrics.record(record);
 }
 
 /// Decrements the in-flight count when the request leaves the queue or the worker.

@@ -164,6 +164,13 @@ impl SessionStore {
         self.entries.remove(session);
     }
 
+    /// Drops `session`'s prefix if it is exactly `tokens` and no request holds it.
+    pub fn forget_if_idle(&mut self, session: &SessionId, tokens: &[u32]) {
+        if self.entries.get(session).is_some_and(|e| e.state.is_some() && e.tokens == tokens) {
+            self.entries.remove(session);
+        }
+    }
+
     /// Stores the prefix after a completed request (replacing the session's previous one, leased
     /// or not), then evicts down to the byte limit. Returns false when the state alone is over
     /// the limit and was not kept.
