@@ -25,12 +25,7 @@ enum Cmd {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    k3_protocol::process::init_logging();
     let res = match Cli::parse().cmd {
         Cmd::Synth(a) => cli::synth::run(a),
         Cmd::Inspect(a) => cli::inspect::run(a),
@@ -38,8 +33,5 @@ fn main() {
         Cmd::Bench(a) => cli::bench::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
     };
-    if let Err(e) = res {
-        eprintln!("k3-prefill: error: {e:#}");
-        std::process::exit(1);
-    }
+    k3_protocol::process::exit_on_error("k3-prefill", res);
 }

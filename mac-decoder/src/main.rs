@@ -21,19 +21,11 @@ enum Cmd {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    k3_protocol::process::init_logging();
     let res = match Cli::parse().cmd {
         Cmd::Generate(a) => cli::generate::run(a),
         Cmd::EncodeImage(a) => cli::encode_image::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
     };
-    if let Err(e) = res {
-        eprintln!("k3-decode: error: {e:#}");
-        std::process::exit(1);
-    }
+    k3_protocol::process::exit_on_error("k3-decode", res);
 }

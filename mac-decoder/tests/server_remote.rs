@@ -10,15 +10,15 @@
 //!   tokens, a log line saying why, and the fallback counted.
 #![cfg(feature = "mlx")]
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_prefiller::server::{PrefillNode, ServeOptions};
+use k3_protocol::process::MemoryLog;
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
 use k3_protocol::{Checkpoint, Fingerprint};
@@ -37,37 +37,16 @@ const MIN_TOKENS: usize = 32;
 
 // ---- logs of every thread (the engine thread logs the fallbacks) ----
 
-#[derive(Clone, Default)]
-struct LogBuf(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogBuf {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
-    type Writer = LogBuf;
-    fn make_writer(&'a self) -> LogBuf {
-        self.clone()
-    }
-}
-
 /// Everything logged (info and up) by this test binary so far; tests tell their lines apart by
 /// the node address in them.
 fn logs() -> String {
-    static BUF: OnceLock<LogBuf> = OnceLock::new();
+    static BUF: OnceLock<MemoryLog> = OnceLock::new();
     let buf = BUF.get_or_init(|| {
-        let b = LogBuf::default();
-        let sub = tracing_subscriber::fmt().with_writer(b.clone()).with_ansi(false).with_max_level(tracing::Level::INFO).finish();
-        let _ = tracing::subscriber::set_global_default(sub);
+        let b = MemoryLog::default();
+        let _ = tracing::subscriber::set_global_default(b.subscriber());
         b
     });
-    String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned()
+    buf.text()
 }
 
 // ---- the two nodes ----

@@ -10,12 +10,14 @@
 //! - [`testdata`]: where the golden sets live in this repository.
 //! - [`wire`]: the hand-off protocol without I/O (messages, frames, chunks, state assembly).
 //! - [`transport`]: the hand-off protocol over QUIC (pinned TLS, prefill server and client).
+//! - [`process`]: logging set-up and error exit shared by the two binaries.
 
 pub mod checkpoint;
 pub mod config;
 pub mod fingerprint;
 pub mod handoff;
 pub mod mxfp4;
+pub mod process;
 pub mod synth;
 pub mod tensors;
 pub mod testdata;

@@ -2,10 +2,9 @@
 //! loopback QUIC, paired certificates), a decoder engine with its prefill client, synthetic
 //! model variants, references, comparisons, and a log capture for "a clear log line" checks.
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_prefiller::cpu::CpuBackend;
@@ -19,14 +18,10 @@ use k3_protocol::{Checkpoint, Fingerprint};
 use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{RemoteOptions, RemotePrefiller};
 
+pub use k3_protocol::process::MemoryLog;
 pub use k3_protocol::testdata::golden_dir;
 
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
-}
+pub use k3_protocol::process::init_test_logging as init_tracing;
 
 /// Timeouts for tests that kill a node: a dead peer is noticed within ~2 s. Too tight for tests
 /// that expect success on a loaded 2-core box (a starved process can miss its keep-alives):
@@ -148,37 +143,14 @@ pub fn top_margin(row: &[f32]) -> f32 {
 }
 
 /// Collects what `tracing` writes on the current thread while a guard is held.
-#[derive(Clone, Default)]
-pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
+pub struct LogCapture;
 
 impl LogCapture {
     /// Captures this thread's log lines (info and up) until the guard drops.
-    pub fn start() -> (LogCapture, tracing::subscriber::DefaultGuard) {
-        let cap = LogCapture::default();
-        let sub = tracing_subscriber::fmt().with_writer(cap.clone()).with_ansi(false).with_max_level(tracing::Level::INFO).finish();
-        let guard = tracing::subscriber::set_default(sub);
+    pub fn start() -> (MemoryLog, tracing::subscriber::DefaultGuard) {
+        let cap = MemoryLog::default();
+        let guard = tracing::subscriber::set_default(cap.subscriber());
         (cap, guard)
-    }
-
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl Write for LogCapture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogCapture {
-    type Writer = LogCapture;
-    fn make_writer(&'a self) -> LogCapture {
-        self.clone()
     }
 }
 

@@ -45,28 +45,37 @@ pub struct Args {
     /// Write `{"tokens": [...]}` here as well.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Split inference (see crate::remote): prefill prompts on this prefill node (HOST:PORT);
-    /// prompts shorter than --remote-min-tokens stay local; any failure falls back to local.
-    #[arg(long)]
-    pub prefill_node: Option<String>,
-    /// Plain loopback testing without certificate pinning (loopback addresses only).
-    #[arg(long)]
-    pub insecure_dev: bool,
-    /// Prompts with at least this many new tokens go to the prefill node.
-    #[arg(long, default_value_t = 1024)]
-    pub remote_min_tokens: usize,
-    /// Pin the prefill node's certificate (sha256:..., printed by `k3-prefill serve`); saved.
-    #[arg(long)]
-    pub prefill_fingerprint: Vec<String>,
-    /// The decoder's certificate and pinned peers (default ~/.config/k3-offload/decoder).
-    #[arg(long)]
-    pub config_dir: Option<PathBuf>,
+    /// Split inference (see crate::remote).
+    #[command(flatten)]
+    pub node: super::prefill_node::PrefillNodeArgs,
     /// More turns of the same conversation: each file's ids follow the previous turn's output.
     #[arg(long)]
     pub next_turn: Vec<PathBuf>,
     /// Write the per-turn timing breakdown (JSON) here.
     #[arg(long)]
     pub timing_json: Option<PathBuf>,
+}
+
+#[cfg(feature = "mlx")]
+impl Args {
+    /// The sampling flags as [`crate::decode::GenerateParams`]; `eos` joins the stop tokens with `--stop-at-eos`.
+    pub fn generate_params(&self, eos: u32) -> crate::decode::GenerateParams {
+        let mut stop_tokens = self.stop.clone();
+        if self.stop_at_eos {
+            stop_tokens.push(eos);
+        }
+        crate::decode::GenerateParams {
+            max_new_tokens: self.max_new_tokens,
+            sampling: crate::sampler::SamplingParams {
+                greedy: self.greedy,
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                seed: self.seed,
+            },
+            stop_tokens,
+        }
+    }
 }
 
 /// Reads a JSON array of token ids.
@@ -90,10 +99,9 @@ pub fn run(_args: Args) -> anyhow::Result<()> {
 
 #[cfg(feature = "mlx")]
 pub fn run(args: Args) -> anyhow::Result<()> {
-    use crate::decode::{ComputeDtype, Engine, EngineOptions, GenerateParams};
-    use crate::sampler::SamplingParams;
+    use crate::decode::{ComputeDtype, Engine, EngineOptions};
 
-    if args.prefill_node.is_some() || !args.next_turn.is_empty() {
+    if args.node.prefill_node.is_some() || !args.next_turn.is_empty() {
         return crate::remote::cli::run_generate(&args);
     }
     if args.input_ids.is_none() && args.state.is_none() {
@@ -116,21 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let secs = t0.elapsed().as_secs_f64();
         tracing::info!(tokens = ids.len(), seconds = secs, tok_per_s = ids.len() as f64 / secs, "local prefill");
     }
-    let mut stop_tokens = args.stop.clone();
-    if args.stop_at_eos {
-        stop_tokens.push(engine.eos_token());
-    }
-    let params = GenerateParams {
-        max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            greedy: args.greedy,
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: args.top_k,
-            seed: args.seed,
-        },
-        stop_tokens,
-    };
+    let params = args.generate_params(engine.eos_token());
     let out = engine.generate(&mut session, &params, |_| true)?;
     tracing::info!(
         tokens = out.tokens.len(),

@@ -2,4 +2,5 @@
 
 pub mod encode_image;
 pub mod generate;
+pub mod prefill_node;
 pub mod serve;

@@ -9,19 +9,8 @@ pub struct Args {
     /// Checkpoint directory (release layout, with `tiktoken.model` and `tokenizer_config.json`).
     #[arg(long)]
     pub model: PathBuf,
-    /// Prefill node `HOST:PORT`: prompts with at least --remote-min-tokens new tokens (after
-    /// prefix reuse) are prefilled there, shorter ones locally; any failure falls back to local.
-    #[arg(long)]
-    pub prefill_node: Option<String>,
-    /// Prompts with at least this many new tokens go to the prefill node.
-    #[arg(long, default_value_t = 1024)]
-    pub remote_min_tokens: usize,
-    /// Pin the prefill node's certificate (sha256:..., printed by `k3-prefill serve`); saved.
-    #[arg(long)]
-    pub prefill_fingerprint: Vec<String>,
-    /// The decoder's certificate and pinned peers (default ~/.config/k3-offload/decoder).
-    #[arg(long)]
-    pub config_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub node: super::prefill_node::PrefillNodeArgs,
     /// Address to listen on. Loopback by default; anything else must be asked for.
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
@@ -49,9 +38,6 @@ pub struct Args {
     /// Tokens per local-prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
-    /// Plain loopback to the prefill node without certificate pinning (development only).
-    #[arg(long)]
-    pub insecure_dev: bool,
 }
 
 #[cfg(not(feature = "mlx"))]
@@ -73,18 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     use crate::tokenizer::Tokenizer;
 
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model).with_context(|| format!("loading the tokenizer of {}", args.model.display()))?);
-    let remote = args.prefill_node.as_ref().map(|node| {
-        let mut o = crate::remote::RemoteOptions::new(node.clone());
-        o.insecure_dev = args.insecure_dev;
-        o.prefill_fingerprints = args.prefill_fingerprint.clone();
-        o.config_dir = args.config_dir.clone();
-        o.min_tokens = args.remote_min_tokens;
-        tracing::info!(node, min_tokens = o.min_tokens, "prompts with at least min_tokens new tokens are prefilled on the prefill node");
-        o
-    });
-    if remote.is_none() && (args.insecure_dev || !args.prefill_fingerprint.is_empty()) {
-        tracing::warn!("--insecure-dev / --prefill-fingerprint have no effect without --prefill-node");
-    }
+    let remote = args.node.remote_options();
     if !args.listen.ip().is_loopback() {
         tracing::warn!(addr = %args.listen, auth = args.api_key.is_some(), "listening beyond loopback");
     }

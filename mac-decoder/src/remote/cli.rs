@@ -8,9 +8,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use crate::cli::generate::{read_ids, Args};
-use crate::decode::{Engine, EngineOptions, GenerateParams};
-use crate::remote::{format_table, run_turn, Conversation, RemoteOptions, RemotePrefiller};
-use crate::sampler::SamplingParams;
+use crate::decode::{Engine, EngineOptions};
+use crate::remote::{format_table, run_turn, Conversation, RemotePrefiller};
 
 pub fn run_generate(args: &Args) -> Result<()> {
     if args.state.is_some() {
@@ -28,33 +27,14 @@ pub fn run_generate(args: &Args) -> Result<()> {
         &args.model,
         EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) },
     )?;
-    let mut remote = match &args.prefill_node {
-        Some(node) => {
-            let mut o = RemoteOptions::new(node.clone());
-            o.insecure_dev = args.insecure_dev;
-            o.prefill_fingerprints = args.prefill_fingerprint.clone();
-            o.config_dir = args.config_dir.clone();
-            o.min_tokens = args.remote_min_tokens;
+    let mut remote = match args.node.remote_options() {
+        Some(mut o) => {
             o.retry_after = Duration::from_secs(30);
             Some(RemotePrefiller::new(&engine, o)?)
         }
         None => None,
     };
-    let mut stop_tokens = args.stop.clone();
-    if args.stop_at_eos {
-        stop_tokens.push(engine.eos_token());
-    }
-    let params = GenerateParams {
-        max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            greedy: args.greedy,
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: args.top_k,
-            seed: args.seed,
-        },
-        stop_tokens,
-    };
+    let params = args.generate_params(engine.eos_token());
     let mut conv = Conversation::new(&engine)?;
     let mut outputs = Vec::new();
     let mut timings = Vec::new();

@@ -16,12 +16,7 @@ use tokio::task::JoinHandle;
 
 pub const MODEL: Fingerprint = Fingerprint([0x4b; 32]);
 
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_test_writer()
-        .try_init();
-}
+pub use k3_protocol::process::init_test_logging as init_tracing;
 
 /// Timeouts short enough for tests.
 pub fn test_tuning() -> Tuning {
