@@ -11,17 +11,18 @@
 //! token-local. One new token is a decode step (recurrent KDA, absorbed MLA).
 
 use std::ops::Deref;
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context};
 use k3_protocol::config::{AttnKind, FfnKind};
 use k3_protocol::handoff::{HandoffState, LayerState, MlaState};
 
-use crate::backend::{Backend, DeviceBuf, MlaForm};
+use crate::backend::{Backend, DeviceBuf, MlaForm, Routing};
+use crate::model::ffn::{latent_moe_back, latent_moe_forward, latent_moe_front, mlp_forward};
 use crate::model::kda::{kda_forward, KdaCache, KdaForm};
 use crate::model::mla::{mla_forward, MlaCache};
-use crate::model::ffn::{latent_moe_forward, mlp_forward};
-use crate::model::weights::{AttnWeights, FfnWeights};
-use crate::model::Model;
+use crate::model::weights::{AttnWeights, FfnWeights, LayerWeights};
+use crate::model::{Misread, Model, ModelDims};
 
 /// Embedding rows that replace the token embeddings at some positions (image features at the
 /// `<|media_pad|>` positions, spec §5.5). Positions count from the first NEW token.
@@ -195,11 +196,160 @@ fn mix<B: Backend>(b: &B, bank: &[Held<'_, B>], p: &B::Buf, norm: &B::Weight, pr
     Ok(Some(b.attn_res_mix(&refs, p, norm, proj, eps)?))
 }
 
-/// Prefills `input` on top of `state` through every layer; `state` is updated only when the
-/// whole call succeeds (an error leaves it as it was). `on_layer` sees each layer's new state
-/// as soon as the layer is done; an error it returns aborts the call.
+/// Where a prefill gets each layer's weights. [`ModelWeights`] takes them from the model
+/// (resident, or loaded synchronously per layer); the CUDA weight streamer
+/// ([`crate::streamer::StreamedWeights`]) copies the next layer's weights on the copy stream
+/// while the current layer computes, and may hand a layer out without its routed experts
+/// (`MoeWeights::experts == None`) when the layer does not fit the VRAM budget: those then come
+/// through [`WeightFeed::experts_in_chunks`].
+pub trait WeightFeed<B: Backend> {
+    /// The weights of layer `l`; called once per layer, for `l = 0, 1, …` in order.
+    fn layer(&mut self, model: &Model<B>, l: usize) -> anyhow::Result<Arc<LayerWeights<B>>>;
+
+    /// For a latent MoE layer handed out without its experts: the routed-expert output of each
+    /// `(x_lat, routing)` input (one per token chunk), the same as [`Backend::moe_experts`]
+    /// over all of the layer's experts.
+    fn experts_in_chunks(&mut self, _model: &Model<B>, l: usize, _inputs: &[(&B::Buf, &Routing)]) -> anyhow::Result<Vec<B::Buf>> {
+        bail!("layer {l}: the routed experts are not resident and this weight feed does not stream them")
+    }
+
+    /// Every op that reads layer `l`'s weights has been issued (its weight slot may be reused
+    /// once they have run).
+    fn layer_done(&mut self, _model: &Model<B>, _l: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
+
+/// The model's own weights: resident, or loaded synchronously when the executor reaches a layer
+/// ([`Model::layer`]).
+pub struct ModelWeights;
+
+impl<B: Backend> WeightFeed<B> for ModelWeights {
+    fn layer(&mut self, model: &Model<B>, l: usize) -> anyhow::Result<Arc<LayerWeights<B>>> {
+        model.layer(l)
+    }
+}
+
+/// Prefills `input` on top of `state` through every layer, with the model's own weights
+/// ([`ModelWeights`]); see [`prefill_with`].
 pub fn prefill<B: Backend>(
     model: &Model<B>,
+    state: &mut HandoffState,
+    input: PrefillInput<'_>,
+    opts: &ExecOptions,
+    on_layer: impl FnMut(LayerEvent<'_>) -> anyhow::Result<()>,
+) -> anyhow::Result<PrefillOutput> {
+    prefill_with(model, &mut ModelWeights, state, input, opts, on_layer)
+}
+
+/// A layer's attention cache on the backend.
+enum Cache<B: Backend> {
+    Kda(KdaCache<B>),
+    Mla(MlaCache<B>),
+}
+
+/// What one layer needs besides its weights, for the per-chunk halves.
+struct LayerCtx<'a, B: Backend> {
+    b: &'a B,
+    d: &'a ModelDims,
+    w: &'a LayerWeights<B>,
+    l: usize,
+    misread: Misread,
+    bank_before_attn: bool,
+    bank_before_mlp: bool,
+    kda_form: KdaForm,
+    mla_form: MlaForm,
+    park: bool,
+}
+
+/// A chunk between its attention and FFN sublayers.
+struct Mid<B: Backend> {
+    p_now: B::Buf,
+    new_bank: Vec<B::Buf>,
+    /// Normed FFN input.
+    x2: B::Buf,
+}
+
+/// The attention sublayer of one chunk and the FFN's input (AttnRes mix, norm). Takes the
+/// chunk's `P` out of `ch` ([`finish_chunk`] puts the new one back).
+fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache: &mut Cache<B>, mut trace: Option<&mut HiddenTrace>) -> anyhow::Result<Mid<B>> {
+    let (b, d, w) = (cx.b, cx.d, cx.w);
+    let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len() + 2);
+    for s in &ch.bank {
+        bank.push(s.get(b)?);
+    }
+    let mut new_bank: Vec<B::Buf> = Vec::new();
+    let mut p = Some(std::mem::replace(&mut ch.p, Slot::Host { data: Vec::new(), rows: 0, cols: 0 }).take(b)?);
+
+    let hmix = mix(b, &bank, p.as_ref().unwrap(), &w.attn_res.norm, &w.attn_res.proj, d.eps)?;
+    let x = b.rms_norm(hmix.as_ref().unwrap_or(p.as_ref().unwrap()), &w.input_layernorm, d.eps)?;
+    if let Some(t) = trace.as_deref_mut() {
+        t.attn_in.push(last_row(b, hmix.as_ref().unwrap_or(p.as_ref().unwrap()))?);
+    }
+    drop(hmix);
+    if cx.bank_before_attn {
+        let banked = p.take().unwrap();
+        new_bank.push(banked);
+    }
+    let u = match (&w.attn, cache) {
+        (AttnWeights::Kda(kw), Cache::Kda(kc)) => kda_forward(b, kw, &x, kc, d, cx.kda_form, &cx.misread)?,
+        (AttnWeights::Mla(mw), Cache::Mla(mc)) => mla_forward(b, mw, &x, mc, d, cx.mla_form)?,
+        _ => bail!("layer {}: weights and cache kinds differ", cx.l),
+    };
+    drop(x);
+    if let Some(t) = trace.as_deref_mut() {
+        t.attn_out.push(last_row(b, &u)?);
+    }
+    let p_now = match p.take() {
+        None => u,
+        Some(mut p0) => {
+            b.add_assign(&mut p0, &u)?;
+            p0
+        }
+    };
+    let h2 = {
+        let mut all: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
+        all.extend(new_bank.iter());
+        b.attn_res_mix(&all, &p_now, &w.mlp_res.norm, &w.mlp_res.proj, d.eps)?
+    };
+    if let Some(t) = trace.as_deref_mut() {
+        t.mlp_in.push(last_row(b, &h2)?);
+    }
+    let x2 = b.rms_norm(&h2, &w.post_attention_layernorm, d.eps)?;
+    Ok(Mid { p_now, new_bank, x2 })
+}
+
+/// Adds the FFN output `m` of one chunk into its residual and stores the residual back in `ch`.
+fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid: Mid<B>, m: B::Buf, mut trace: Option<&mut HiddenTrace>) -> anyhow::Result<()> {
+    let b = cx.b;
+    let Mid { mut p_now, mut new_bank, x2 } = mid;
+    drop(x2);
+    if let Some(t) = trace.as_deref_mut() {
+        t.mlp_out.push(last_row(b, &m)?);
+    }
+    if cx.bank_before_mlp {
+        new_bank.push(p_now);
+        p_now = m;
+    } else {
+        b.add_assign(&mut p_now, &m)?;
+    }
+    if let Some(t) = trace.as_deref_mut() {
+        t.after_layer.push(last_row(b, &p_now)?);
+    }
+    for nb in new_bank {
+        ch.bank.push(Slot::store(b, nb, cx.park)?);
+    }
+    ch.p = Slot::store(b, p_now, cx.park)?;
+    Ok(())
+}
+
+/// Prefills `input` on top of `state` through every layer, taking each layer's weights from
+/// `feed`; `state` is updated only when the whole call succeeds (an error leaves it as it was).
+/// `on_layer` sees each layer's new state as soon as the layer is done; an error it returns
+/// aborts the call.
+pub fn prefill_with<B: Backend>(
+    model: &Model<B>,
+    feed: &mut dyn WeightFeed<B>,
     state: &mut HandoffState,
     input: PrefillInput<'_>,
     opts: &ExecOptions,
@@ -250,16 +400,22 @@ pub fn prefill<B: Backend>(
     let mut new_layers: Vec<LayerState> = Vec::with_capacity(model.plan.len());
     let mut topk_gap = Vec::new();
     for (l, spec) in model.plan.iter().enumerate() {
-        let w = model.layer(l)?;
+        let w = feed.layer(model, l)?;
         let span = tracing::debug_span!("layer", l, attn = ?spec.attn, ffn = ?spec.ffn);
         let _g = span.enter();
-        let bank_before_attn = if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary };
-        let bank_before_mlp = misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0;
+        let cx = LayerCtx {
+            b,
+            d,
+            w: &w,
+            l,
+            misread,
+            bank_before_attn: if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary },
+            bank_before_mlp: misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0,
+            kda_form,
+            mla_form,
+            park,
+        };
 
-        enum Cache<B: Backend> {
-            Kda(KdaCache<B>),
-            Mla(MlaCache<B>),
-        }
         let mut cache = match (&state.layers[l], spec.attn) {
             (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaCache::upload(b, s, d)?),
             (LayerState::Mla(s), AttnKind::Mla) => {
@@ -273,82 +429,47 @@ pub fn prefill<B: Backend>(
         };
         let mut gaps = Vec::new();
         let nchunks = chunks.len();
-        for (ci, ch) in chunks.iter_mut().enumerate() {
-            let is_last = ci + 1 == nchunks;
-            let rows = ch.rows;
-            let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len() + 2);
-            for s in &ch.bank {
-                bank.push(s.get(b)?);
-            }
-            let mut new_bank: Vec<B::Buf> = Vec::new();
-            let mut p = Some(std::mem::replace(&mut ch.p, Slot::Host { data: Vec::new(), rows: 0, cols: 0 }).take(b)?);
-
-            // Attention sublayer.
-            let hmix = mix(b, &bank, p.as_ref().unwrap(), &w.attn_res.norm, &w.attn_res.proj, d.eps)?;
-            let x = b.rms_norm(hmix.as_ref().unwrap_or(p.as_ref().unwrap()), &w.input_layernorm, d.eps)?;
-            if let (Some(t), true) = (trace.as_mut(), is_last) {
-                t.attn_in.push(last_row(b, hmix.as_ref().unwrap_or(p.as_ref().unwrap()))?);
-            }
-            drop(hmix);
-            if bank_before_attn {
-                let banked = p.take().unwrap();
-                new_bank.push(banked);
-            }
-            let u = match (&w.attn, &mut cache) {
-                (AttnWeights::Kda(kw), Cache::Kda(kc)) => kda_forward(b, kw, &x, kc, d, kda_form, &misread)?,
-                (AttnWeights::Mla(mw), Cache::Mla(mc)) => mla_forward(b, mw, &x, mc, d, mla_form)?,
-                _ => bail!("layer {l}: weights and cache kinds differ"),
-            };
-            drop(x);
-            if let (Some(t), true) = (trace.as_mut(), is_last) {
-                t.attn_out.push(last_row(b, &u)?);
-            }
-            let mut p_now = match p.take() {
-                None => u,
-                Some(mut p0) => {
-                    b.add_assign(&mut p0, &u)?;
-                    p0
+        match &w.ffn {
+            FfnWeights::LatentMoe(mw) if mw.experts.is_none() => {
+                // Experts streamed in chunks: every token chunk's front first, then the experts
+                // (each expert chunk over all token chunks, so they cross PCIe once), then the backs.
+                let mut mids = Vec::with_capacity(nchunks);
+                let mut fronts = Vec::with_capacity(nchunks);
+                for (ci, ch) in chunks.iter_mut().enumerate() {
+                    let mid = attn_half(&cx, ch, &mut cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                    let f = latent_moe_front(b, mw, &mid.x2, d)?;
+                    gaps.extend_from_slice(&f.routing.gap);
+                    mids.push(mid);
+                    fronts.push(f);
                 }
-            };
-
-            // FFN sublayer.
-            let h2 = {
-                let mut all: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
-                all.extend(new_bank.iter());
-                b.attn_res_mix(&all, &p_now, &w.mlp_res.norm, &w.mlp_res.proj, d.eps)?
-            };
-            if let (Some(t), true) = (trace.as_mut(), is_last) {
-                t.mlp_in.push(last_row(b, &h2)?);
-            }
-            let x2 = b.rms_norm(&h2, &w.post_attention_layernorm, d.eps)?;
-            drop(h2);
-            let m = match &w.ffn {
-                FfnWeights::Dense(mw) => mlp_forward(b, mw, &x2, d)?,
-                FfnWeights::LatentMoe(mw) => {
-                    let (y, routing) = latent_moe_forward(b, mw, &x2, d)?;
-                    gaps.extend_from_slice(&routing.gap);
-                    y
+                let inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().map(|f| (&f.x_lat, &f.routing)).collect();
+                let outs = feed.experts_in_chunks(model, l, &inputs).with_context(|| format!("layer {l}: routed experts"))?;
+                ensure!(outs.len() == nchunks, "layer {l}: the weight feed returned {} expert outputs for {nchunks} token chunks", outs.len());
+                drop(inputs);
+                drop(fronts);
+                for (ci, ((ch, mid), r)) in chunks.iter_mut().zip(mids).zip(outs).enumerate() {
+                    let m = latent_moe_back(b, mw, &mid.x2, r, d)?;
+                    finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
                 }
-            };
-            if let (Some(t), true) = (trace.as_mut(), is_last) {
-                t.mlp_out.push(last_row(b, &m)?);
             }
-            if bank_before_mlp {
-                new_bank.push(p_now);
-                p_now = m;
-            } else {
-                b.add_assign(&mut p_now, &m)?;
+            ffn => {
+                for (ci, ch) in chunks.iter_mut().enumerate() {
+                    let mid = attn_half(&cx, ch, &mut cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                    let m = match ffn {
+                        FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
+                        FfnWeights::LatentMoe(mw) => {
+                            let (y, routing) = latent_moe_forward(b, mw, &mid.x2, d)?;
+                            gaps.extend_from_slice(&routing.gap);
+                            y
+                        }
+                    };
+                    finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                }
             }
-            if let (Some(t), true) = (trace.as_mut(), is_last) {
-                t.after_layer.push(last_row(b, &p_now)?);
-            }
-            drop(bank);
-            for nb in new_bank {
-                ch.bank.push(Slot::store(b, nb, park)?);
-            }
-            ch.p = Slot::store(b, p_now, park)?;
-            debug_assert_eq!(rows, ch.rows);
         }
+        drop(cx);
+        feed.layer_done(model, l)?;
+        drop(w);
         if spec.ffn == FfnKind::LatentMoe {
             topk_gap.push((l, gaps));
         }

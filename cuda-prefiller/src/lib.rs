@@ -7,4 +7,5 @@ pub mod cuda;
 pub mod executor;
 pub mod model;
 pub mod server;
+pub mod stream_plan;
 pub mod streamer;

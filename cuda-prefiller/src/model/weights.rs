@@ -84,7 +84,9 @@ pub struct MoeWeights<B: Backend> {
     pub latent_norm: B::Weight,
     pub latent_up: B::Weight,
     pub shared: MlpWeights<B>,
-    pub experts: B::Experts,
+    /// The routed experts; `None` when a weight feed streams them in chunks (the layer does
+    /// not fit the VRAM budget, see [`crate::executor::WeightFeed::experts_in_chunks`]).
+    pub experts: Option<B::Experts>,
 }
 
 pub enum FfnWeights<B: Backend> {
@@ -110,88 +112,187 @@ pub struct HeadWeights<B: Backend> {
     pub lm_head: B::Weight,
 }
 
-fn mlp<B: Backend>(b: &B, ck: &Checkpoint, prefix: &str, width: usize, h: usize) -> anyhow::Result<MlpWeights<B>> {
-    Ok(MlpWeights {
-        gate: load_dense(b, ck, &format!("{prefix}.gate_proj.weight"), width, h)?,
-        up: load_dense(b, ck, &format!("{prefix}.up_proj.weight"), width, h)?,
-        down: load_dense(b, ck, &format!("{prefix}.down_proj.weight"), h, width)?,
-    })
+/// One dense tensor a layer reads, as the executor views it (`[rows, cols]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenseTensor {
+    /// Checkpoint name.
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    /// Only the first `rows * cols` values of a longer 1-D tensor are read (`A_log`, stored
+    /// padded to `head_dim`; one value per head is used, spec §3.8).
+    pub prefix: bool,
+}
+
+/// Every dense tensor of layer `spec.index` (everything but the routed experts), in a fixed
+/// order. The synchronous loader and the weight streamer both fetch exactly this list.
+pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<DenseTensor> {
+    let l = spec.index;
+    let h = c.hidden_size;
+    let mut v = Vec::new();
+    let mut d = |s: &str, rows: usize, cols: usize| v.push(DenseTensor { name: layer_tensor(l, s), rows, cols, prefix: false });
+    d("input_layernorm.weight", 1, h);
+    d("post_attention_layernorm.weight", 1, h);
+    d("self_attention_res_norm.weight", 1, h);
+    d("self_attention_res_proj.weight", 1, h);
+    d("mlp_res_norm.weight", 1, h);
+    d("mlp_res_proj.weight", 1, h);
+    match spec.attn {
+        AttnKind::Kda => {
+            let la = &c.linear_attn_config;
+            let w = c.kda_width();
+            let kern = la.short_conv_kernel_size;
+            d("self_attn.q_proj.weight", w, h);
+            d("self_attn.k_proj.weight", w, h);
+            d("self_attn.v_proj.weight", w, h);
+            d("self_attn.q_conv1d.weight", w, kern);
+            d("self_attn.k_conv1d.weight", w, kern);
+            d("self_attn.v_conv1d.weight", w, kern);
+            d("self_attn.f_a_proj.weight", la.head_dim, h);
+            d("self_attn.f_b_proj.weight", w, la.head_dim);
+            d("self_attn.dt_bias", 1, w);
+            d("self_attn.b_proj.weight", la.num_heads, h);
+            d("self_attn.g_proj.weight", w, h);
+            d("self_attn.o_norm.weight", 1, la.head_dim);
+            d("self_attn.o_proj.weight", h, w);
+        }
+        AttnKind::Mla => {
+            let nh = c.num_attention_heads;
+            d("self_attn.q_a_proj.weight", c.q_lora_rank, h);
+            d("self_attn.q_a_layernorm.weight", 1, c.q_lora_rank);
+            d("self_attn.q_b_proj.weight", nh * c.mla_qk_head_dim(), c.q_lora_rank);
+            d("self_attn.kv_a_proj_with_mqa.weight", c.mla_latent_width(), h);
+            d("self_attn.kv_a_layernorm.weight", 1, c.kv_lora_rank);
+            d("self_attn.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
+            d("self_attn.g_proj.weight", nh * c.v_head_dim, h);
+            d("self_attn.o_proj.weight", h, nh * c.v_head_dim);
+        }
+    }
+    match spec.ffn {
+        FfnKind::Dense => {
+            let i = c.intermediate_size;
+            d("mlp.gate_proj.weight", i, h);
+            d("mlp.up_proj.weight", i, h);
+            d("mlp.down_proj.weight", h, i);
+        }
+        FfnKind::LatentMoe => {
+            let (lat, ne, sw) = (c.routed_expert_hidden_size, c.num_experts, c.shared_expert_width());
+            d("block_sparse_moe.gate.weight", ne, h);
+            d("block_sparse_moe.gate.e_score_correction_bias", 1, ne);
+            d("block_sparse_moe.routed_expert_down_proj.weight", lat, h);
+            d("block_sparse_moe.routed_expert_norm.weight", 1, lat);
+            d("block_sparse_moe.routed_expert_up_proj.weight", h, lat);
+            d("block_sparse_moe.shared_experts.gate_proj.weight", sw, h);
+            d("block_sparse_moe.shared_experts.up_proj.weight", sw, h);
+            d("block_sparse_moe.shared_experts.down_proj.weight", h, sw);
+        }
+    }
+    if spec.attn == AttnKind::Kda {
+        let heads = c.linear_attn_config.num_heads;
+        v.push(DenseTensor { name: layer_tensor(l, "self_attn.A_log"), rows: 1, cols: heads, prefix: true });
+    }
+    v
+}
+
+/// The routed experts of one MoE layer in the checkpoint, as [`Backend::load_experts`] takes them.
+pub fn layer_experts<'a>(ck: &'a Checkpoint, c: &TextConfig, l: usize) -> anyhow::Result<Vec<ExpertHostWeights<'a>>> {
+    (0..c.num_experts)
+        .map(|e| Ok(ExpertHostWeights { w1: ck.expert(l, e, "w1")?, w3: ck.expert(l, e, "w3")?, w2: ck.expert(l, e, "w2")? }))
+        .collect()
 }
 
 impl<B: Backend> LayerWeights<B> {
     /// Loads layer `spec.index` as `spec` says it is (KDA or MLA, dense or latent MoE).
     pub fn load(b: &B, ck: &Checkpoint, c: &TextConfig, spec: LayerSpec) -> anyhow::Result<Self> {
-        let l = spec.index;
-        let h = c.hidden_size;
-        let t = |s: &str| layer_tensor(l, s);
-        let d = |s: &str, rows: usize, cols: usize| load_dense(b, ck, &t(s), rows, cols);
-        let attn = match spec.attn {
-            AttnKind::Kda => {
-                let la = &c.linear_attn_config;
-                let w = c.kda_width();
-                let kern = la.short_conv_kernel_size;
-                let a_name = t("self_attn.A_log");
-                let a_heads = ck.f32_prefix(&a_name, la.num_heads)?;
-                let a_log_stored = ck.tensor(&a_name)?.to_f32()?;
-                AttnWeights::Kda(KdaWeights {
-                    q_proj: d("self_attn.q_proj.weight", w, h)?,
-                    k_proj: d("self_attn.k_proj.weight", w, h)?,
-                    v_proj: d("self_attn.v_proj.weight", w, h)?,
-                    q_conv: d("self_attn.q_conv1d.weight", w, kern)?,
-                    k_conv: d("self_attn.k_conv1d.weight", w, kern)?,
-                    v_conv: d("self_attn.v_conv1d.weight", w, kern)?,
-                    f_a: d("self_attn.f_a_proj.weight", la.head_dim, h)?,
-                    f_b: d("self_attn.f_b_proj.weight", w, la.head_dim)?,
-                    dt_bias: d("self_attn.dt_bias", 1, w)?,
-                    a_log: b.load_dense(&HostTensor::from_f32(a_name.clone(), 1, la.num_heads, &a_heads))?,
-                    a_log_stored,
-                    dt_bias_host: ck.tensor(&t("self_attn.dt_bias"))?.to_f32()?,
-                    b_proj: d("self_attn.b_proj.weight", la.num_heads, h)?,
-                    g_proj: d("self_attn.g_proj.weight", w, h)?,
-                    o_norm: d("self_attn.o_norm.weight", 1, la.head_dim)?,
-                    o_proj: d("self_attn.o_proj.weight", h, w)?,
-                })
-            }
-            AttnKind::Mla => {
-                let nh = c.num_attention_heads;
-                AttnWeights::Mla(MlaWeights {
-                    q_a: d("self_attn.q_a_proj.weight", c.q_lora_rank, h)?,
-                    q_a_norm: d("self_attn.q_a_layernorm.weight", 1, c.q_lora_rank)?,
-                    q_b: d("self_attn.q_b_proj.weight", nh * c.mla_qk_head_dim(), c.q_lora_rank)?,
-                    kv_a: d("self_attn.kv_a_proj_with_mqa.weight", c.mla_latent_width(), h)?,
-                    kv_a_norm: d("self_attn.kv_a_layernorm.weight", 1, c.kv_lora_rank)?,
-                    kv_b: d("self_attn.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)?,
-                    g_proj: d("self_attn.g_proj.weight", nh * c.v_head_dim, h)?,
-                    o_proj: d("self_attn.o_proj.weight", h, nh * c.v_head_dim)?,
-                })
+        let experts = match spec.ffn {
+            FfnKind::Dense => None,
+            FfnKind::LatentMoe => {
+                let host = layer_experts(ck, c, spec.index)?;
+                Some(b.load_experts(&host).with_context(|| format!("layer {}: routed experts", spec.index))?)
             }
         };
-        let ffn = match spec.ffn {
-            FfnKind::Dense => FfnWeights::Dense(mlp(b, ck, &t("mlp"), c.intermediate_size, h)?),
-            FfnKind::LatentMoe => {
-                let lat = c.routed_expert_hidden_size;
-                let ne = c.num_experts;
-                let mut host = Vec::with_capacity(ne);
-                for e in 0..ne {
-                    host.push(ExpertHostWeights { w1: ck.expert(l, e, "w1")?, w3: ck.expert(l, e, "w3")?, w2: ck.expert(l, e, "w2")? });
-                }
-                FfnWeights::LatentMoe(MoeWeights {
-                    router: d("block_sparse_moe.gate.weight", ne, h)?,
-                    router_bias: d("block_sparse_moe.gate.e_score_correction_bias", 1, ne)?,
-                    latent_down: d("block_sparse_moe.routed_expert_down_proj.weight", lat, h)?,
-                    latent_norm: d("block_sparse_moe.routed_expert_norm.weight", 1, lat)?,
-                    latent_up: d("block_sparse_moe.routed_expert_up_proj.weight", h, lat)?,
-                    shared: mlp(b, ck, &t("block_sparse_moe.shared_experts"), c.shared_expert_width(), h)?,
-                    experts: b.load_experts(&host).with_context(|| format!("layer {l}: routed experts"))?,
+        Self::assemble(ck, c, spec, experts, |t| {
+            if t.prefix {
+                let v = ck.f32_prefix(&t.name, t.rows * t.cols)?;
+                b.load_dense(&HostTensor::from_f32(t.name.clone(), t.rows, t.cols, &v))
+            } else {
+                load_dense(b, ck, &t.name, t.rows, t.cols)
+            }
+        })
+    }
+
+    /// Builds the layer from its dense tensors, each made by `weight` (called once per entry of
+    /// [`layer_dense_tensors`], in order), and its routed experts (`None` for a latent MoE layer
+    /// whose experts a weight feed streams in chunks).
+    pub fn assemble(
+        ck: &Checkpoint,
+        c: &TextConfig,
+        spec: LayerSpec,
+        experts: Option<B::Experts>,
+        mut weight: impl FnMut(&DenseTensor) -> anyhow::Result<B::Weight>,
+    ) -> anyhow::Result<Self> {
+        let l = spec.index;
+        let mut got = std::collections::HashMap::new();
+        for t in layer_dense_tensors(c, spec) {
+            let w = weight(&t)?;
+            got.insert(t.name, w);
+        }
+        let mut d = |s: &str| got.remove(&layer_tensor(l, s)).with_context(|| format!("layer {l}: tensor {} was not fetched", layer_tensor(l, s)));
+        let attn = match spec.attn {
+            AttnKind::Kda => {
+                let a_name = layer_tensor(l, "self_attn.A_log");
+                AttnWeights::Kda(KdaWeights {
+                    q_proj: d("self_attn.q_proj.weight")?,
+                    k_proj: d("self_attn.k_proj.weight")?,
+                    v_proj: d("self_attn.v_proj.weight")?,
+                    q_conv: d("self_attn.q_conv1d.weight")?,
+                    k_conv: d("self_attn.k_conv1d.weight")?,
+                    v_conv: d("self_attn.v_conv1d.weight")?,
+                    f_a: d("self_attn.f_a_proj.weight")?,
+                    f_b: d("self_attn.f_b_proj.weight")?,
+                    dt_bias: d("self_attn.dt_bias")?,
+                    a_log: d("self_attn.A_log")?,
+                    a_log_stored: ck.tensor(&a_name)?.to_f32()?,
+                    dt_bias_host: ck.tensor(&layer_tensor(l, "self_attn.dt_bias"))?.to_f32()?,
+                    b_proj: d("self_attn.b_proj.weight")?,
+                    g_proj: d("self_attn.g_proj.weight")?,
+                    o_norm: d("self_attn.o_norm.weight")?,
+                    o_proj: d("self_attn.o_proj.weight")?,
                 })
             }
+            AttnKind::Mla => AttnWeights::Mla(MlaWeights {
+                q_a: d("self_attn.q_a_proj.weight")?,
+                q_a_norm: d("self_attn.q_a_layernorm.weight")?,
+                q_b: d("self_attn.q_b_proj.weight")?,
+                kv_a: d("self_attn.kv_a_proj_with_mqa.weight")?,
+                kv_a_norm: d("self_attn.kv_a_layernorm.weight")?,
+                kv_b: d("self_attn.kv_b_proj.weight")?,
+                g_proj: d("self_attn.g_proj.weight")?,
+                o_proj: d("self_attn.o_proj.weight")?,
+            }),
+        };
+        let ffn = match spec.ffn {
+            FfnKind::Dense => FfnWeights::Dense(MlpWeights { gate: d("mlp.gate_proj.weight")?, up: d("mlp.up_proj.weight")?, down: d("mlp.down_proj.weight")? }),
+            FfnKind::LatentMoe => FfnWeights::LatentMoe(MoeWeights {
+                router: d("block_sparse_moe.gate.weight")?,
+                router_bias: d("block_sparse_moe.gate.e_score_correction_bias")?,
+                latent_down: d("block_sparse_moe.routed_expert_down_proj.weight")?,
+                latent_norm: d("block_sparse_moe.routed_expert_norm.weight")?,
+                latent_up: d("block_sparse_moe.routed_expert_up_proj.weight")?,
+                shared: MlpWeights {
+                    gate: d("block_sparse_moe.shared_experts.gate_proj.weight")?,
+                    up: d("block_sparse_moe.shared_experts.up_proj.weight")?,
+                    down: d("block_sparse_moe.shared_experts.down_proj.weight")?,
+                },
+                experts,
+            }),
         };
         Ok(LayerWeights {
             spec,
-            input_layernorm: d("input_layernorm.weight", 1, h)?,
-            post_attention_layernorm: d("post_attention_layernorm.weight", 1, h)?,
-            attn_res: ResWeights { norm: d("self_attention_res_norm.weight", 1, h)?, proj: d("self_attention_res_proj.weight", 1, h)? },
-            mlp_res: ResWeights { norm: d("mlp_res_norm.weight", 1, h)?, proj: d("mlp_res_proj.weight", 1, h)? },
+            input_layernorm: d("input_layernorm.weight")?,
+            post_attention_layernorm: d("post_attention_layernorm.weight")?,
+            attn_res: ResWeights { norm: d("self_attention_res_norm.weight")?, proj: d("self_attention_res_proj.weight")? },
+            mlp_res: ResWeights { norm: d("mlp_res_norm.weight")?, proj: d("mlp_res_proj.weight")? },
             attn,
             ffn,
         })
