@@ -124,7 +124,11 @@ pub struct StreamPlan {
 }
 
 fn gb(b: usize) -> String {
-    format!("{:.3} GB", b as f64 / 1e9)
+    if b >= 1_000_000_000 {
+        format!("{:.3} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.3} MB", b as f64 / 1e6)
+    }
 }
 fn mb(b: usize) -> String {
     format!("{:.2} MB", b as f64 / 1e6)
@@ -132,16 +136,17 @@ fn mb(b: usize) -> String {
 
 impl StreamPlan {
     /// Plans the layers of `plan` from `ck` under `budget` bytes for the weight slots (`None`:
-    /// two whole layers). Errors name the tensor whose bytes are wrong or the layer/tensor that
-    /// does not fit.
-    pub fn new(ck: &Checkpoint, cfg: &TextConfig, plan: &[LayerSpec], budget: Option<usize>) -> Result<Self> {
+    /// two whole layers), with at most `max_chunk` routed experts per transfer unit when given
+    /// (experts then stream in chunks even where whole layers would fit). Errors name the
+    /// tensor whose bytes are wrong or the layer/tensor that does not fit.
+    pub fn new(ck: &Checkpoint, cfg: &TextConfig, plan: &[LayerSpec], budget: Option<usize>, max_chunk: Option<usize>) -> Result<Self> {
         let mut layers = Vec::with_capacity(plan.len());
         let has_moe = plan.iter().any(|s| s.ffn == FfnKind::LatentMoe);
         let expert_layout = if has_moe { Some(ExpertLayout::new(cfg.moe_intermediate_size, cfg.routed_expert_hidden_size)?) } else { None };
         for &spec in plan {
             layers.push(Self::image(ck, cfg, spec, expert_layout.as_ref()).with_context(|| format!("weight streamer: layer {}", spec.index))?);
         }
-        Self::with_images(layers, expert_layout, budget)
+        Self::with_images(layers, expert_layout, budget, max_chunk)
     }
 
     fn image(ck: &Checkpoint, cfg: &TextConfig, spec: LayerSpec, layout: Option<&ExpertLayout>) -> Result<LayerImage> {
@@ -189,19 +194,20 @@ impl StreamPlan {
     }
 
     /// Sizes the slots and orders the units for already-described layers.
-    pub fn with_images(layers: Vec<LayerImage>, expert_layout: Option<ExpertLayout>, budget: Option<usize>) -> Result<Self> {
+    pub fn with_images(layers: Vec<LayerImage>, expert_layout: Option<ExpertLayout>, budget: Option<usize>, max_chunk: Option<usize>) -> Result<Self> {
         ensure!(!layers.is_empty(), "weight streamer: the model has no layers");
+        ensure!(max_chunk != Some(0), "weight streamer: --expert-chunk must be at least 1");
         let stride = expert_layout.map(|l| l.stride).unwrap_or(0);
         let biggest = layers.iter().max_by_key(|l| l.total_bytes(stride)).expect("non-empty");
         let whole_max = biggest.total_bytes(stride);
         let dense_layer = layers.iter().max_by_key(|l| l.dense_bytes).expect("non-empty");
         let dense_max = dense_layer.dense_bytes;
         let max_experts = layers.iter().map(|l| l.experts.len()).max().unwrap_or(0);
-        let whole = budget.is_none_or(|b| 2 * whole_max <= b);
+        let whole = budget.is_none_or(|b| 2 * whole_max <= b) && max_chunk.is_none_or(|c| c >= max_experts);
         let (dense_slot, expert_slot, chunk) = if whole {
             (whole_max, 0, max_experts)
         } else {
-            let b = budget.expect("a budget when not whole");
+            let b = budget.unwrap_or(usize::MAX);
             let need = 2 * dense_max + 2 * stride;
             if max_experts == 0 || b < need {
                 let big = dense_layer.largest().map(|t| format!("; its largest tensor {} is {}", t.name, mb(t.bytes))).unwrap_or_default();
@@ -226,7 +232,7 @@ impl StreamPlan {
                     gb(2 * whole_max)
                 );
             }
-            let chunk = ((b - 2 * dense_max) / (2 * stride)).min(max_experts);
+            let chunk = ((b - 2 * dense_max) / (2 * stride)).min(max_experts).min(max_chunk.unwrap_or(usize::MAX));
             (dense_max, chunk * stride, chunk)
         };
         let mut units = Vec::new();

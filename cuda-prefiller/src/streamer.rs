@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUdeviceptr;
 use k3_protocol::checkpoint::Checkpoint;
 
@@ -258,4 +258,459 @@ impl WeightStreamer {
         done.record(copy)?;
         Ok((done, stats))
     }
+}
+
+// ---- the executor's streamed weights ---------------------------------------------------------
+
+/// Settings of [`StreamedWeights`].
+#[derive(Debug, Clone)]
+pub struct StreamOptions {
+    /// Device bytes for the weight slots; `None`: two whole layers (the largest).
+    pub vram_budget: Option<usize>,
+    /// Reader threads filling the staging buffers.
+    pub readers: usize,
+    /// Bytes per pinned staging buffer (two are allocated; capped at the largest unit).
+    pub stage_bytes: usize,
+    /// At most this many routed experts per transfer unit (streams experts in chunks even when
+    /// whole layers fit the budget; finer pipelining, and tests on small models).
+    pub expert_chunk: Option<usize>,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+        StreamOptions { vram_budget: None, readers: threads.clamp(2, 16), stage_bytes: 256 << 20, expert_chunk: None }
+    }
+}
+
+impl StreamOptions {
+    /// `--vram-budget GB` (decimal gigabytes) as bytes; errors on a non-positive value.
+    pub fn budget_from_gb(gb: Option<f64>) -> Result<Option<usize>> {
+        match gb {
+            None => Ok(None),
+            Some(g) if g.is_finite() && g > 0.0 => Ok(Some((g * 1e9) as usize)),
+            Some(g) => Err(anyhow!("--vram-budget {g}: expected a positive number of GB")),
+        }
+    }
+}
+
+/// Timing of one layer of a streamed prompt (GPU times from events on the compute stream).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LayerStreamTime {
+    pub layer: usize,
+    /// Weight bytes copied for the layer.
+    pub bytes: usize,
+    /// Transfer units (1, or 1 + expert chunks).
+    pub units: usize,
+    /// Compute stream busy with the layer (waits for weights excluded), ms.
+    pub compute_ms: f64,
+    /// Compute stream blocked on the layer's weight copies, ms.
+    pub wait_ms: f64,
+    /// The executor thread blocked until the reader pool had issued the layer's copies, ms.
+    pub host_wait_ms: f64,
+    /// Copy stream busy with the layer's copies, ms.
+    pub copy_ms: f64,
+}
+
+/// What one streamed prompt moved and waited for.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StreamStats {
+    pub layers: Vec<LayerStreamTime>,
+    pub bytes: usize,
+    /// Σ compute / wait / host wait / copy over the layers, seconds.
+    pub compute_s: f64,
+    pub wait_s: f64,
+    pub host_wait_s: f64,
+    pub copy_s: f64,
+    /// Reader-pool time filling staging buffers, and blocked on a draining one, seconds.
+    pub fill_s: f64,
+    pub stall_s: f64,
+}
+
+/// A model's layer weights streamed into device slots allocated once (sized by a
+/// [`StreamPlan`](crate::stream_plan::StreamPlan) under the VRAM budget), through the pinned
+/// staging of a [`WeightStreamer`] fed by a pool of `pread` readers. [`StreamedWeights::feed`]
+/// gives one prompt's [`WeightFeed`](crate::executor::WeightFeed): while layer ℓ computes, a
+/// prefetch thread reads and copies the next unit (layer ℓ+1, or the next expert chunk) on the
+/// copy stream.
+pub struct StreamedWeights {
+    gpu: Arc<Gpu>,
+    plan: Arc<crate::stream_plan::StreamPlan>,
+    source: Arc<ShardFiles>,
+    /// `[ring][slot]` device addresses (ring 0: dense / whole layers, ring 1: expert chunks).
+    slot_ptr: [[CUdeviceptr; 2]; 2],
+    _slots: Vec<crate::cuda::DevMem>,
+    /// Taken by the running prompt's prefetch thread.
+    streamer: std::sync::Mutex<Option<WeightStreamer>>,
+}
+
+impl StreamedWeights {
+    /// Plans and allocates the slots and the staging for `model` (its checkpoint and layer plan).
+    pub fn new(model: &crate::model::Model<crate::cuda::CudaBackend>, opts: &StreamOptions) -> Result<Self> {
+        let gpu = model.backend.gpu.clone();
+        let plan = crate::stream_plan::StreamPlan::new(&model.ck, &model.cfg, &model.plan, opts.vram_budget, opts.expert_chunk)?;
+        let need = plan.slot_bytes();
+        let (free, total) = gpu.mem_info()?;
+        ensure!(
+            need <= free,
+            "weight streamer: the slots need {:.3} GB of device memory, the GPU has {:.3} of {:.3} GB free (give a smaller --vram-budget)",
+            need as f64 / 1e9,
+            free as f64 / 1e9,
+            total as f64 / 1e9
+        );
+        let mut slots = Vec::new();
+        let mut slot_ptr = [[0; 2]; 2];
+        for (ring, bytes) in [(0, plan.dense_slot), (1, plan.expert_slot)] {
+            if bytes == 0 {
+                continue;
+            }
+            for s in 0..2 {
+                let m = gpu.alloc_sync(bytes).with_context(|| format!("weight streamer: slot {s} of ring {ring}"))?;
+                slot_ptr[ring][s] = m.ptr;
+                slots.push(m);
+            }
+        }
+        let biggest = (0..plan.units.len()).map(|u| plan.unit_bytes(u)).max().unwrap_or(0);
+        let stage = opts.stage_bytes.min(biggest.next_multiple_of(1 << 20)).max(1 << 20);
+        let streamer = WeightStreamer::new(gpu.clone(), stage, opts.readers)?;
+        let source = Arc::new(ShardFiles::open(&model.ck)?);
+        tracing::info!(plan = %plan.describe(), stage_mib = stage >> 20, readers = opts.readers, "weight streamer ready");
+        Ok(StreamedWeights { gpu, plan: Arc::new(plan), source, slot_ptr, _slots: slots, streamer: std::sync::Mutex::new(Some(streamer)) })
+    }
+
+    pub fn plan(&self) -> &crate::stream_plan::StreamPlan {
+        &self.plan
+    }
+
+    /// The weight feed of one prompt; starts copying layer 0 at once. One prompt at a time.
+    pub fn feed(&self) -> Result<StreamFeed<'_>> {
+        let streamer = self
+            .streamer
+            .lock()
+            .map_err(|_| anyhow!("weight streamer: lock poisoned"))?
+            .take()
+            .ok_or_else(|| anyhow!("weight streamer: another prompt is using it"))?;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Ready>>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Event)>();
+        let (gpu, plan, source, slot_ptr) = (self.gpu.clone(), self.plan.clone(), self.source.clone(), self.slot_ptr);
+        let thread = std::thread::Builder::new()
+            .name("weight-prefetch".into())
+            .spawn(move || prefetch(streamer, gpu, plan, source, slot_ptr, ready_tx, done_rx))
+            .context("weight streamer: starting the prefetch thread")?;
+        Ok(StreamFeed { sw: self, next: 0, ready_rx, done_tx: Some(done_tx), thread: Some(thread), marks: Vec::new(), layer_end: Vec::new(), unit_done: Vec::new() })
+    }
+}
+
+/// A unit's copies, issued.
+struct Ready {
+    unit: usize,
+    /// Copy stream: after the slot became free / after the last copy.
+    start: Event,
+    ready: Event,
+    stats: UploadStats,
+}
+
+/// The prefetch thread: uploads the units in order, each after the compute that last read its
+/// slot (the executor sends those events); hands the streamer back at the end.
+fn prefetch(
+    mut streamer: WeightStreamer,
+    gpu: Arc<Gpu>,
+    plan: Arc<crate::stream_plan::StreamPlan>,
+    source: Arc<ShardFiles>,
+    slot_ptr: [[CUdeviceptr; 2]; 2],
+    ready_tx: std::sync::mpsc::Sender<Result<Ready>>,
+    done_rx: std::sync::mpsc::Receiver<(usize, Event)>,
+) -> WeightStreamer {
+    let mut done: std::collections::HashMap<usize, Event> = std::collections::HashMap::new();
+    for u in 0..plan.units.len() {
+        let free = match plan.prev_in_slot[u] {
+            None => None,
+            Some(v) => loop {
+                if let Some(e) = done.remove(&v) {
+                    break Some(e);
+                }
+                match done_rx.recv() {
+                    Ok((i, e)) => {
+                        done.insert(i, e);
+                    }
+                    // the prompt ended (or failed): nothing more to copy
+                    Err(_) => return streamer,
+                }
+            },
+        };
+        let unit = plan.units[u];
+        let res = (|| -> Result<Ready> {
+            gpu.bind()?;
+            let copy = gpu.copy_stream();
+            if let Some(e) = &free {
+                e.wait_on(copy)?;
+            }
+            let start = gpu.event()?;
+            start.record(copy)?;
+            let parts = plan.parts(u)?;
+            let (ready, stats) = streamer.upload(&*source, &parts, slot_ptr[unit.ring()][plan.slot[u]], None)?;
+            Ok(Ready { unit: u, start, ready, stats })
+        })()
+        .with_context(|| format!("weight streamer: copying {unit:?}"));
+        let failed = res.is_err();
+        if ready_tx.send(res).is_err() || failed {
+            return streamer;
+        }
+    }
+    streamer
+}
+
+/// Events of one consumed unit.
+struct UnitMarks {
+    unit: usize,
+    /// Compute stream before / after waiting for the unit's copies.
+    e0: Event,
+    e1: Event,
+    host_wait_s: f64,
+    start: Event,
+    ready: Event,
+    stats: UploadStats,
+}
+
+/// One prompt's streamed weights (see [`StreamedWeights::feed`]). Call [`StreamFeed::finish`]
+/// after the prefill for the timing; dropping it (also after an error) waits for the GPU and
+/// stops the prefetch thread.
+pub struct StreamFeed<'a> {
+    sw: &'a StreamedWeights,
+    next: usize,
+    ready_rx: std::sync::mpsc::Receiver<Result<Ready>>,
+    done_tx: Option<std::sync::mpsc::Sender<(usize, Event)>>,
+    thread: Option<std::thread::JoinHandle<WeightStreamer>>,
+    marks: Vec<UnitMarks>,
+    /// Per layer: compute stream after its last op.
+    layer_end: Vec<(usize, Event)>,
+    /// Units whose done event was sent (for checks).
+    unit_done: Vec<usize>,
+}
+
+impl StreamFeed<'_> {
+    /// Waits (GPU side) for the next unit's copies, which must be `want`.
+    fn take_unit(&mut self, want: impl Fn(&crate::stream_plan::Unit) -> bool, what: &str) -> Result<(usize, crate::stream_plan::Unit)> {
+        let plan = &self.sw.plan;
+        let u = self.next;
+        let unit = *plan.units.get(u).ok_or_else(|| anyhow!("weight streamer: {what} requested after the last unit"))?;
+        ensure!(want(&unit), "weight streamer: {what} requested, but the next unit is {unit:?} (layers must be taken in order)");
+        let t0 = Instant::now();
+        let r = self.ready_rx.recv().map_err(|_| anyhow!("weight streamer: the prefetch thread stopped before {unit:?}"))??;
+        let host_wait_s = t0.elapsed().as_secs_f64();
+        ensure!(r.unit == u, "weight streamer: unit {} arrived, {u} expected", r.unit);
+        let g = &self.sw.gpu;
+        g.bind()?;
+        let e0 = g.event()?;
+        e0.record(g.stream())?;
+        r.ready.wait_on(g.stream())?;
+        let e1 = g.event()?;
+        e1.record(g.stream())?;
+        self.marks.push(UnitMarks { unit: u, e0, e1, host_wait_s, start: r.start, ready: r.ready, stats: r.stats });
+        self.next += 1;
+        Ok((u, unit))
+    }
+
+    /// Records on the compute stream that unit `u`'s slot is no longer read after this point;
+    /// returns a second event at the same point (for timing).
+    fn release(&mut self, u: usize) -> Result<Event> {
+        let g = &self.sw.gpu;
+        let e = g.event()?;
+        e.record(g.stream())?;
+        let mark = g.event()?;
+        mark.record(g.stream())?;
+        if let Some(tx) = &self.done_tx {
+            // the prefetch thread may have finished (nothing left to copy): fine
+            let _ = tx.send((u, e));
+        }
+        self.unit_done.push(u);
+        Ok(mark)
+    }
+
+    /// Waits for the GPU and the prefetch thread; returns the per-layer timing.
+    pub fn finish(mut self) -> Result<StreamStats> {
+        self.stop()?;
+        let plan = &self.sw.plan;
+        let mut layers: Vec<LayerStreamTime> = Vec::new();
+        let mut st = StreamStats::default();
+        for (l, end) in &self.layer_end {
+            let mut t = LayerStreamTime { layer: *l, ..Default::default() };
+            let mut span_ms = 0.0;
+            for m in self.marks.iter().filter(|m| plan.units[m.unit].layer() == *l) {
+                t.units += 1;
+                t.bytes += m.stats.bytes;
+                t.wait_ms += m.e0.ms_to(&m.e1)? as f64;
+                t.host_wait_ms += m.host_wait_s * 1e3;
+                t.copy_ms += m.start.ms_to(&m.ready)? as f64;
+                st.fill_s += m.stats.fill_s;
+                st.stall_s += m.stats.stall_s;
+                if let crate::stream_plan::Unit::Dense { .. } = plan.units[m.unit] {
+                    span_ms = m.e1.ms_to(end)? as f64;
+                }
+            }
+            // expert waits lie inside the layer's span
+            let inner_wait: f64 = self
+                .marks
+                .iter()
+                .filter(|m| plan.units[m.unit].layer() == *l && matches!(plan.units[m.unit], crate::stream_plan::Unit::Experts { .. }))
+                .map(|m| m.e0.ms_to(&m.e1).map(|x| x as f64))
+                .sum::<Result<f64>>()?;
+            t.compute_ms = span_ms - inner_wait;
+            st.bytes += t.bytes;
+            st.compute_s += t.compute_ms / 1e3;
+            st.wait_s += t.wait_ms / 1e3;
+            st.host_wait_s += t.host_wait_ms / 1e3;
+            st.copy_s += t.copy_ms / 1e3;
+            layers.push(t);
+        }
+        st.layers = layers;
+        Ok(st)
+    }
+
+    /// Stops the prefetch thread (it ends at its next wait for a free slot), waits for both
+    /// streams and takes the streamer back.
+    fn stop(&mut self) -> Result<()> {
+        self.done_tx = None;
+        // every slot-free event the prefetch thread may still wait on is recorded: this completes them
+        let mut synced = self.sw.gpu.sync();
+        if let Some(t) = self.thread.take() {
+            match t.join() {
+                Ok(streamer) => {
+                    if let Ok(mut g) = self.sw.streamer.lock() {
+                        *g = Some(streamer);
+                    }
+                }
+                Err(_) => tracing::error!("weight streamer: the prefetch thread panicked; streaming is unavailable from now on"),
+            }
+        }
+        synced = synced.and_then(|_| self.sw.gpu.sync_copy());
+        synced
+    }
+}
+
+impl Drop for StreamFeed<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            tracing::warn!("weight streamer: {e:#}");
+        }
+    }
+}
+
+impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
+    fn layer(&mut self, model: &crate::model::Model<crate::cuda::CudaBackend>, l: usize) -> Result<Arc<crate::model::LayerWeights<crate::cuda::CudaBackend>>> {
+        use crate::stream_plan::Unit;
+        let (u, unit) = self.take_unit(|x| matches!(x, Unit::Dense { layer, .. } if *layer == l), &format!("layer {l}"))?;
+        let Unit::Dense { with_experts, .. } = unit else { unreachable!("checked by take_unit") };
+        let plan = self.sw.plan.clone();
+        let img = plan.image_of(l)?;
+        let base = self.sw.slot_ptr[0][plan.slot[u]];
+        let b = &*model.backend;
+        let gpu = &self.sw.gpu;
+        let spec = *model.plan.get(l).ok_or_else(|| anyhow!("layer {l} does not exist"))?;
+        let experts = if with_experts {
+            let layout = plan.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
+            let n = img.experts.len();
+            let arena = crate::cuda::DevMem::borrowed(gpu.clone(), base + img.dense_bytes as u64, n * layout.stride);
+            Some(crate::cuda::backend::CudaExperts { arena, n, layout })
+        } else {
+            None
+        };
+        let mut i = 0;
+        let w = crate::model::LayerWeights::assemble(&model.ck, &model.cfg, spec, experts, |t| {
+            let s = img.tensors.get(i).filter(|s| s.name == t.name).ok_or_else(|| anyhow!("layer {l}: tensor {} is not where the stream plan put it", t.name))?;
+            i += 1;
+            let view = crate::cuda::DevMem::borrowed(gpu.clone(), base + s.off as u64, s.bytes);
+            b.dense_from_device(&s.name, s.dtype, s.rows, s.cols, view)
+        })?;
+        Ok(Arc::new(w))
+    }
+
+    fn experts_in_chunks(
+        &mut self,
+        model: &crate::model::Model<crate::cuda::CudaBackend>,
+        l: usize,
+        inputs: &[(&crate::cuda::backend::CudaBuf, &crate::backend::Routing)],
+    ) -> Result<Vec<crate::cuda::backend::CudaBuf>> {
+        use crate::backend::DeviceBuf;
+        use crate::stream_plan::Unit;
+        let b = &*model.backend;
+        let plan = self.sw.plan.clone();
+        let layout = plan.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
+        let n = plan.image_of(l)?.experts.len();
+        let mut plans = Vec::with_capacity(inputs.len());
+        for (x_lat, routing) in inputs {
+            let (t, k) = (x_lat.rows(), routing.top_k);
+            ensure!(routing.ids.len() == t * k && routing.weights.len() == t * k, "moe_experts: routing for {} rows, x has {t}", routing.rows());
+            if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= n) {
+                bail!("moe_experts: expert id {bad} out of range (layer has {n} experts)");
+            }
+            let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
+            let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
+            let w_d = b.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
+            plans.push(b.moe_prepare(x_lat, ids_d.ptr, w_d, k, n, &layout)?);
+        }
+        let mut covered = 0;
+        while covered < n {
+            let (u, unit) = self.take_unit(|x| matches!(x, Unit::Experts { layer, .. } if *layer == l), &format!("layer {l} experts from {covered}"))?;
+            let Unit::Experts { lo, hi, .. } = unit else { unreachable!("checked by take_unit") };
+            ensure!(lo == covered, "weight streamer: layer {l} experts {lo}..{hi} arrived, {covered}.. expected");
+            let wbase = self.sw.slot_ptr[1][plan.slot[u]];
+            for p in &plans {
+                b.moe_run_chunk(p, &layout, wbase, lo, hi, model.dims.situ, None)?;
+            }
+            self.release(u)?;
+            covered = hi;
+        }
+        plans.iter().map(|p| b.moe_combine(p, layout.latent)).collect()
+    }
+
+    fn layer_done(&mut self, _model: &crate::model::Model<crate::cuda::CudaBackend>, l: usize) -> Result<()> {
+        use crate::stream_plan::Unit;
+        let plan = self.sw.plan.clone();
+        let u = (0..self.next)
+            .rev()
+            .find(|&u| matches!(plan.units[u], Unit::Dense { layer, .. } if layer == l))
+            .ok_or_else(|| anyhow!("weight streamer: layer {l} finished before it was taken"))?;
+        ensure!(!self.unit_done.contains(&u), "weight streamer: layer {l} finished twice");
+        let end = self.release(u)?;
+        self.layer_end.push((l, end));
+        Ok(())
+    }
+}
+
+/// Streamed weights for `model` when its backend is CUDA; an error names the backend otherwise.
+pub fn streamed_weights_for<B: crate::backend::Backend + 'static>(model: &crate::model::Model<B>, opts: &StreamOptions) -> Result<StreamedWeights> {
+    match (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<crate::cuda::CudaBackend>>() {
+        Some(m) => StreamedWeights::new(m, opts),
+        None => bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name()),
+    }
+}
+
+/// One prefill with the streamed weights when `sw` is given (the model's backend must then be
+/// CUDA), else with the model's own weights ([`crate::executor::prefill`]); also returns the
+/// streaming timing.
+pub fn prefill_maybe_streamed<B: crate::backend::Backend + 'static>(
+    model: &crate::model::Model<B>,
+    sw: Option<&StreamedWeights>,
+    state: &mut k3_protocol::handoff::HandoffState,
+    input: crate::executor::PrefillInput<'_>,
+    opts: &crate::executor::ExecOptions,
+    on_layer: impl FnMut(crate::executor::LayerEvent<'_>) -> Result<()>,
+) -> Result<(crate::executor::PrefillOutput, Option<StreamStats>)> {
+    let Some(sw) = sw else { return Ok((crate::executor::prefill(model, state, input, opts, on_layer)?, None)) };
+    let Some(m) = (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<crate::cuda::CudaBackend>>() else {
+        bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name())
+    };
+    let mut feed = sw.feed()?;
+    let out = crate::executor::prefill_with(m, &mut feed, state, input, opts, on_layer)?;
+    let stats = feed.finish()?;
+    tracing::debug!(
+        gb = stats.bytes as f64 / 1e9,
+        compute_s = stats.compute_s,
+        wait_s = stats.wait_s,
+        host_wait_s = stats.host_wait_s,
+        copy_s = stats.copy_s,
+        "streamed prefill"
+    );
+    Ok((out, Some(stats)))
 }

@@ -364,6 +364,32 @@ impl CudaBackend {
         Ok(m)
     }
 
+    /// A dense weight from its checkpoint bytes already on the device (`raw`: BF16 or F32
+    /// `[rows, cols]`, e.g. a view into a weight-streamer slot): kept as is where this precision
+    /// reads it so, else widened to f32 on the compute stream. `load_dense` = upload + this.
+    pub fn dense_from_device(&self, name: &str, dtype: DType, rows: usize, cols: usize, raw: DevMem) -> Result<CudaWeight> {
+        let n = rows * cols;
+        let esize = match dtype {
+            DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::U8 => bail!("tensor {name}: U8 (MXFP4) data is not a dense weight"),
+        };
+        ensure!(raw.bytes >= n * esize, "tensor {name}: {} device bytes for [{rows}, {cols}] {}", raw.bytes, dtype.name());
+        // The router's logits are FP32 by the spec (§3.6): keep its weight f32 in every precision.
+        let is_router = name.ends_with("block_sparse_moe.gate.weight");
+        let keep_bf16 = self.parts.gemm && dtype == DType::BF16 && rows > 1 && !is_router;
+        let (f32m, bf16m) = match (dtype, keep_bf16) {
+            (DType::BF16, true) => (None, Some(raw)),
+            (DType::BF16, false) => {
+                let f = self.gpu.alloc(n * 4)?;
+                k::bf16_to_f32(&self.gpu, raw.ptr, f.ptr, n)?;
+                (Some(f), None)
+            }
+            _ => (Some(raw), None),
+        };
+        Ok(CudaWeight { name: name.to_string(), rows, cols, f32: f32m, bf16: bf16m })
+    }
+
     fn check_same(&self, op: &str, a: &CudaBuf, b: &CudaBuf) -> Result<()> {
         ensure!(a.rows == b.rows && a.cols == b.cols, "{op}: shapes [{}, {}] and [{}, {}] differ", a.rows, a.cols, b.rows, b.cols);
         Ok(())
@@ -434,20 +460,8 @@ impl Backend for CudaBackend {
             DType::U8 => bail!("tensor {}: U8 (MXFP4) data is not a dense weight", w.name),
         };
         ensure!(w.bytes.len() == n * esize, "tensor {}: {} bytes, expected {} for [{}, {}]", w.name, w.bytes.len(), n * esize, w.rows, w.cols);
-        // The router's logits are FP32 by the spec (§3.6): keep its weight f32 in every precision.
-        let is_router = w.name.ends_with("block_sparse_moe.gate.weight");
-        let keep_bf16 = self.parts.gemm && w.dtype == DType::BF16 && w.rows > 1 && !is_router;
         let raw = self.upload_bytes(&w.bytes)?;
-        let (f32m, bf16m) = match (w.dtype, keep_bf16) {
-            (DType::BF16, true) => (None, Some(raw)),
-            (DType::BF16, false) => {
-                let f = self.gpu.alloc(n * 4)?;
-                k::bf16_to_f32(&self.gpu, raw.ptr, f.ptr, n)?;
-                (Some(f), None)
-            }
-            _ => (Some(raw), None),
-        };
-        Ok(CudaWeight { name: w.name.to_string(), rows: w.rows, cols: w.cols, f32: f32m, bf16: bf16m })
+        self.dense_from_device(&w.name, w.dtype, w.rows, w.cols, raw)
     }
 
     fn load_experts(&self, experts: &[ExpertHostWeights<'_>]) -> OpResult<CudaExperts> {
