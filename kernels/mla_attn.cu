@@ -61,7 +61,8 @@ extern "C" __global__ void mla_attn_f32(const float* __restrict__ q, i64 qs, con
 
 // ------------------------------------------------------------------------------------------
 // Packing for the bf16 kernel (head-major bf16 copies):
-//   mla_pack_q:  Qb[h][i][:] = q row i (Tq rows);  mla_pack_kv: Kb[h][s][:] = [k_nope | k_pe], Vb[h][s][:] = v (Tk rows).
+//   mla_pack_q:  Qb[h][i][:] = q row i (Tq rows);  mla_pack_kv: Kb[h][s][:] = [k_nope | k_pe], Vb[h][s][:] = v (Tk rows;
+//   Vb null: K only).
 extern "C" __global__ void mla_pack_q(const float* __restrict__ q, i64 qs, bf16_t* __restrict__ Qb, int Tq, int H, int dqk) {
     int t = blockIdx.x, h = blockIdx.y;
     i64 o = ((i64)h * Tq + t);
@@ -76,8 +77,26 @@ extern "C" __global__ void mla_pack_kv(const float* __restrict__ kv, i64 kvs, co
         float kval = d < dn ? kv[(i64)t * kvs + (i64)h * (dn + dv) + d] : kpe[(i64)t * kps + d - dn];
         Kb[o * dqk + d] = f32_to_bf16(kval);
     }
+    if (Vb == nullptr) return;  // K only
     for (int d = threadIdx.x; d < dv; d += blockDim.x)
         Vb[o * dv + d] = f32_to_bf16(kv[(i64)t * kvs + (i64)h * (dn + dv) + dn + d]);
+}
+// V transposed for the sm_90 kernel (mla_attn_sm90.cu): Vt[h][d][s] = v of key s, row stride ld
+// (a multiple of 64, >= Tk), zeros in the columns Tk..ld. Block: 64 keys of one head, through shared
+// memory so that both the reads and the writes are coalesced. Grid: (ld / 64, H).
+extern "C" __global__ void mla_pack_vt(const float* __restrict__ kv, i64 kvs, bf16_t* __restrict__ Vt, i64 ld, int Tk,
+        int H, int dn) {
+    __shared__ float tile[64][MLA_DV + 1];
+    int s0 = blockIdx.x * 64, h = blockIdx.y;
+    for (int i = threadIdx.x; i < 64 * MLA_DV; i += blockDim.x) {
+        int r = i / MLA_DV, d = i % MLA_DV;
+        tile[r][d] = s0 + r < Tk ? kv[(i64)(s0 + r) * kvs + (i64)h * (dn + MLA_DV) + dn + d] : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * MLA_DV; i += blockDim.x) {
+        int d = i / 64, r = i % 64;
+        Vt[((i64)h * MLA_DV + d) * ld + s0 + r] = f32_to_bf16(tile[r][d]);
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -97,6 +116,19 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -173,45 +205,52 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
             float s[FA_BK / 8][4];
 #pragma unroll
             for (int n = 0; n < FA_BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            // K fragments by ldmatrix.x4: matrices (keys n*8.., d lo), (n*8.., d hi), (n*8+8.., lo), (n*8+8.., hi)
+            const u32 kaddr = smem_u32(kt) + (u32)((((lane >> 4) << 3) + (lane & 7)) * FA_KLD * 2 + ((lane >> 3) & 1) * 16);
 #pragma unroll
             for (int kk = 0; kk < MLA_DQK / 16; ++kk) {
 #pragma unroll
-                for (int n = 0; n < FA_BK / 8; ++n) {
-                    const bf16_t* p = kt + (n * 8 + g) * FA_KLD + kk * 16 + 2 * t4;
-                    mma16816(s[n], qf[kk], *(const u32*)p, *(const u32*)(p + 8));
+                for (int n = 0; n < FA_BK / 8; n += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(kaddr + (u32)(n * 8 * FA_KLD * 2 + kk * 32), b0, b1, b2, b3);
+                    mma16816(s[n], qf[kk], b0, b1);
+                    mma16816(s[n + 1], qf[kk], b2, b3);
                 }
             }
+            // raw scores; masked ones -inf; p = 2^(s*scale*log2e - m*scale*log2e), one FFMA + one EX2 each
             bool need_mask = (k0 + FA_BK - 1 > q0) || (k0 + FA_BK > T);
-            float tmax[2] = {NEG_INF, NEG_INF};
+            if (need_mask) {
 #pragma unroll
-            for (int n = 0; n < FA_BK / 8; ++n)
+                for (int n = 0; n < FA_BK / 8; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float v = s[n][e] * sl2;
-                    if (need_mask) {
+                    for (int e = 0; e < 4; ++e) {
                         int key = k0 + n * 8 + 2 * t4 + (e & 1);
                         int row = q0 + g + ((e >> 1) << 3);
-                        if (key > row || key >= T) v = NEG_INF;
+                        if (key > row || key >= T) s[n][e] = NEG_INF;
                     }
-                    s[n][e] = v;
-                    tmax[e >> 1] = fmaxf(tmax[e >> 1], v);
-                }
-            float alpha[2];
+            }
+            float tmax[2] = {mrow[0], mrow[1]};
+#pragma unroll
+            for (int n = 0; n < FA_BK / 8; ++n) {
+                tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
+                tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
+            }
+            float alpha[2], ms[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
                 tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-                float nm = fmaxf(mrow[r], tmax[r]);
-                alpha[r] = (mrow[r] == NEG_INF) ? 0.0f : exp2f(mrow[r] - nm);
-                mrow[r] = nm;
+                // finite: every row sees key 0 in tile 0, and tiles run in order
+                alpha[r] = ex2((mrow[r] - tmax[r]) * sl2);
+                mrow[r] = tmax[r];
+                ms[r] = tmax[r] * sl2;
             }
             float psum[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int n = 0; n < FA_BK / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float nm = mrow[e >> 1];
-                    float pv = (s[n][e] == NEG_INF) ? 0.0f : exp2f(s[n][e] - nm);
+                    float pv = ex2(fmaf(s[n][e], sl2, -ms[e >> 1]));
                     s[n][e] = pv;
                     psum[e >> 1] += pv;
                 }
@@ -225,10 +264,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
 #pragma unroll
             for (int kk = 0; kk < FA_BK / 16; ++kk) {
                 u32 pa[4];
-                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                pa[0] = bf16x2_rn(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = bf16x2_rn(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = bf16x2_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = bf16x2_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
                 for (int jv = 0; jv < MLA_DV / 16; ++jv) {
                     int mi = lane >> 3, ri = lane & 7;

@@ -7,7 +7,8 @@ use std::borrow::Cow;
 
 use cuda_prefiller::backend::{Backend, HostTensor, MlaDims, MlaForm};
 use cuda_prefiller::cpu::CpuBackend;
-use cuda_prefiller::cuda::Precision;
+use cuda_prefiller::cuda::kernels::MlaKernel;
+use cuda_prefiller::cuda::{CudaBackend, Precision};
 use cuda_util::*;
 use k3_protocol::tensors::DType;
 
@@ -27,12 +28,16 @@ fn run<B: Backend>(b: &B, dm: MlaDims, tq: usize, pos0: usize, seed: u64) -> Vec
 
 fn check(p: Precision, tol: f64) {
     let Some(gpu) = cuda(p) else { return };
+    check_on(&gpu, p, tol);
+}
+
+fn check_on(gpu: &CudaBackend, p: Precision, tol: f64) {
     let k3 = MlaDims { heads: 4, nope: 128, rope: 64, v: 128, kv_lora: 512 };
     let tiny = MlaDims { heads: 2, nope: 32, rope: 16, v: 32, kv_lora: 64 };
     for (dm, tq, pos0, seed) in [(k3, 300usize, 0usize, 1u64), (k3, 77, 190, 2), (tiny, 300, 0, 3), (tiny, 1, 299, 4), (k3, 1, 40, 5)] {
         let want = run(&CpuBackend, dm, tq, pos0, seed);
-        let got = run(&gpu, dm, tq, pos0, seed);
-        assert_rel(&format!("{p:?} mla_attention qk={} tq={tq} pos0={pos0}", dm.qk()), &got, &want, tol);
+        let got = run(gpu, dm, tq, pos0, seed);
+        assert_rel(&format!("{p:?} {:?} mla_attention qk={} tq={tq} pos0={pos0}", gpu.mla_kernel, dm.qk()), &got, &want, tol);
     }
 }
 
@@ -43,6 +48,36 @@ fn cuda_mla_attention_matches_cpu_f32() {
 
 #[test]
 fn cuda_mla_attention_matches_cpu_bf16() {
-    // bf16 q/k/v and probabilities, f32 softmax and accumulation
+    // bf16 q/k/v and probabilities, f32 softmax and accumulation; the kernel the device picks
     check(Precision::Bf16, 2e-2);
+}
+
+#[test]
+fn cuda_mla_attention_mma_sync_matches_cpu_bf16() {
+    // the mma.sync kernel (every architecture), also where the device would pick wgmma
+    let Some(mut gpu) = cuda(Precision::Bf16) else { return };
+    gpu.mla_kernel = MlaKernel::MmaSync;
+    check_on(&gpu, Precision::Bf16, 2e-2);
+}
+
+#[test]
+fn cuda_mla_attention_wgmma_matches_cpu_bf16() {
+    let Some(mut gpu) = cuda(Precision::Bf16) else { return };
+    if gpu.gpu.cc != (9, 0) {
+        eprintln!("SKIPPED: the wgmma kernel is sm_90 only (device is sm_{}{})", gpu.gpu.cc.0, gpu.gpu.cc.1);
+        return;
+    }
+    gpu.mla_kernel = MlaKernel::Wgmma; // an error (not a fallback) if it does not apply
+    let k3 = MlaDims { heads: 4, nope: 128, rope: 64, v: 128, kv_lora: 512 };
+    let qk128 = MlaDims { heads: 3, nope: 64, rope: 64, v: 128, kv_lora: 256 };
+    let two = MlaDims { heads: 2, ..k3 };
+    // several query blocks and key tiles, T not a multiple of the tile, split prefill (pos0 > 0
+    // and not a multiple of the tile), a single row, another q/k width
+    for (dm, tq, pos0, seed) in
+        [(k3, 300usize, 0usize, 11u64), (k3, 77, 190, 12), (k3, 260, 131, 13), (k3, 1, 40, 14), (k3, 128, 0, 15), (qk128, 200, 57, 16), (two, 1100, 0, 17)]
+    {
+        let want = run(&CpuBackend, dm, tq, pos0, seed);
+        let got = run(&gpu, dm, tq, pos0, seed);
+        assert_rel(&format!("wgmma mla_attention qk={} heads={} tq={tq} pos0={pos0}", dm.qk(), dm.heads), &got, &want, 2e-2);
+    }
 }

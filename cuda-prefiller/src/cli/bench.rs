@@ -623,28 +623,46 @@ fn kernels(args: &Args) -> Result<()> {
         let qf = b.upload(&rnd(t * h * dqk, 6, -1.0, 1.0), t, h * dqk)?;
         let kvf = b.upload(&rnd(t * h * (128 + dv), 7, -1.0, 1.0), t, h * (128 + dv))?;
         let kpe = b.upload(&rnd(t * 64, 8, -1.0, 1.0), t, 64)?;
-        let qb = g.alloc(t * h * dqk * 2)?;
-        let kb = g.alloc(t * h * dqk * 2)?;
-        let vb = g.alloc(t * h * dv * 2)?;
-        kk::mla_pack_q(&g, qf.ptr(), h * dqk, qb.ptr, t, h, dqk, dv)?;
-        kk::mla_pack_kv(&g, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, kb.ptr, vb.ptr, t, h, 128, 64, dv)?;
-        drop((qf, kvf, kpe));
-        let out = b.empty(t, h * dv)?;
-        let mut times = Vec::new();
-        for rep in 0..=args.reps {
-            let e0 = g.event()?;
-            let e1 = g.event()?;
-            e0.record(g.stream())?;
-            kk::mla_attn_bf16(&g, qb.ptr, kb.ptr, vb.ptr, out.ptr(), h * dv, t, 0, h, dqk, dv, 1.0 / (dqk as f32).sqrt())?;
-            e1.record(g.stream())?;
-            e1.sync()?;
-            if rep > 0 {
-                times.push(e0.ms_to(&e1)? as f64);
-            }
-        }
-        let mla_ms = median(times);
+        // every applicable kernel (mma.sync; wgmma on sm_90), the backend's pick (last) reported;
+        // the first and last 512 output rows of each are compared with the first kernel's
         let mflops = 2.0 * (t as f64 * (t as f64 + 1.0) / 2.0) * (h * (dqk + dv)) as f64;
-        drop((qb, kb, vb, out));
+        let mut mla_ms = f64::NAN;
+        let mut first: Option<Vec<f32>> = None;
+        let mut kernels_run = vec![kk::MlaKernel::MmaSync];
+        if kk::MlaKernel::Auto.resolve(&g, dqk, dv)? != kk::MlaKernel::MmaSync {
+            kernels_run.push(kk::MlaKernel::Auto.resolve(&g, dqk, dv)?);
+        }
+        for kern in kernels_run {
+            let packed = kk::mla_pack(&g, kern, qf.ptr(), h * dqk, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, t, 0, h, 128, 64, dv)?;
+            let out = b.empty(t, h * dv)?;
+            let mut times = Vec::new();
+            for rep in 0..=args.reps {
+                let e0 = g.event()?;
+                let e1 = g.event()?;
+                e0.record(g.stream())?;
+                kk::mla_attn_packed(&g, &packed, out.ptr(), h * dv, 1.0 / (dqk as f32).sqrt())?;
+                e1.record(g.stream())?;
+                e1.sync()?;
+                if rep > 0 {
+                    times.push(e0.ms_to(&e1)? as f64);
+                }
+            }
+            mla_ms = median(times);
+            let rows = t.min(512);
+            let mut o = vec![0f32; 2 * rows * h * dv];
+            g.dtoh(&mut o[..rows * h * dv], out.ptr())?;
+            g.dtoh(&mut o[rows * h * dv..], out.ptr() + ((t - rows) * h * dv * 4) as u64)?;
+            let diff = match &first {
+                None => String::new(),
+                Some(f) => {
+                    let (n, d) = o.iter().zip(f).fold((0f64, 0f64), |(n, d), (&x, &y)| (n + ((x - y) as f64).powi(2), d + (y as f64).powi(2)));
+                    format!(", rel diff to mma.sync {:.2e} (first/last {rows} rows)", (n / d.max(1e-300)).sqrt())
+                }
+            };
+            eprintln!("MLA attention {kern:?}: {mla_ms:.1} ms, {:.0} TFLOP/s at {t} tokens{diff}", mflops / mla_ms / 1e9);
+            first.get_or_insert(o);
+        }
+        drop((qf, kvf, kpe));
         // routed experts at K3 widths, uniform routing, all 896 experts resident
         let d3 = Dims::of(
             &k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())

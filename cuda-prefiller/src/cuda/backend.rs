@@ -226,6 +226,8 @@ pub struct CudaBackend {
     /// Kernel-name suffix of the BF16 expert GEMMs: `""` (ldmatrix fragments, default) or
     /// `"_lds32"` (the first version, 32-bit shared loads); `K3_MOE_KERNEL=lds32` selects it.
     pub moe_variant: &'static str,
+    /// BF16 MLA attention kernel (`Auto`: wgmma on sm_90, mma.sync elsewhere; `K3_MLA_KERNEL`).
+    pub mla_kernel: k::MlaKernel,
 }
 
 impl CudaBackend {
@@ -246,7 +248,7 @@ impl CudaBackend {
         let gpu = Gpu::open()?;
         let blas = Blas::new(gpu.stream())?;
         let moe_variant = if std::env::var("K3_MOE_KERNEL").as_deref() == Ok("lds32") { "_lds32" } else { "" };
-        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant })
+        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant, mla_kernel: k::MlaKernel::from_env()? })
     }
 
     /// BF16 experts (mma kernel, bf16 grouped activations).
@@ -636,12 +638,8 @@ impl Backend for CudaBackend {
         let out = self.empty(tq, h * dims.v)?;
         let (dqk, dv) = (dims.qk(), dims.v);
         if self.parts.attn && k::mla_bf16_supported(dqk, dv) {
-            let qb = self.gpu.alloc(tq * h * dqk * 2)?;
-            let kb = self.gpu.alloc(tk * h * dqk * 2)?;
-            let vb = self.gpu.alloc(tk * h * dv * 2)?;
-            k::mla_pack_q(&self.gpu, q.ptr(), q.cols, qb.ptr, tq, h, dqk, dv)?;
-            k::mla_pack_kv(&self.gpu, kv.ptr(), kvw, kpe, cache.cols, kb.ptr, vb.ptr, tk, h, dims.nope, dims.rope, dv)?;
-            k::mla_attn_bf16(&self.gpu, qb.ptr, kb.ptr, vb.ptr, out.ptr(), h * dv, tq, pos0, h, dqk, dv, dims.scale())?;
+            let packed = k::mla_pack(&self.gpu, self.mla_kernel, q.ptr(), q.cols, kv.ptr(), kvw, kpe, cache.cols, tq, pos0, h, dims.nope, dims.rope, dv)?;
+            k::mla_attn_packed(&self.gpu, &packed, out.ptr(), h * dv, dims.scale())?;
         } else {
             k::mla_attn_f32(&self.gpu, q.ptr(), q.cols, kv.ptr(), kvw, kpe, cache.cols, out.ptr(), h * dv, tq, pos0, h, dims.nope, dims.rope, dv, dims.scale())?;
         }

@@ -4,7 +4,9 @@
 use anyhow::{bail, Result};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
-use super::gpu::{blocks, Gpu, KArgs};
+use std::sync::Arc;
+
+use super::gpu::{blocks, DevMem, Gpu, KArgs};
 
 type P = CUdeviceptr;
 
@@ -275,6 +277,7 @@ pub fn mla_pack_q(gpu: &Gpu, q: P, qs: usize, qb: P, tq: usize, h: usize, dqk: u
     gpu.launch(f, (tq as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_q")
 }
 
+/// `vb == 0`: K only.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_pack_kv(gpu: &Gpu, kv: P, kvs: usize, kpe: P, kps: usize, kb: P, vb: P, tk: usize, h: usize, dn: usize, dr: usize, dv: usize) -> Result<()> {
     let f = gpu.func("mla_attn", &mla_defines(dn + dr, dv), "mla_pack_kv")?;
@@ -299,6 +302,152 @@ pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usiz
     let smem = (2 * 64 * ((dqk + 8) + (dv + 8)) * 2) as u32;
     let mut a = KArgs::new().arg(qb).arg(kb).arg(vb).arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(scale);
     gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_bf16")
+}
+
+/// Which BF16 MLA attention kernel runs. `Auto`: the wgmma kernel where it applies (sm_90, v width
+/// 128, q/k width a multiple of 64), else the mma.sync one. `K3_MLA_KERNEL=mma|wgmma|auto` sets the
+/// backend's choice (diagnostic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaKernel {
+    Auto,
+    /// `mla_attn_bf16` (mma.sync m16n8k16): every architecture.
+    MmaSync,
+    /// `mla_attn_sm90` (wgmma): Hopper only.
+    Wgmma,
+}
+
+impl MlaKernel {
+    pub fn from_env() -> Result<MlaKernel> {
+        match std::env::var("K3_MLA_KERNEL").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => Ok(MlaKernel::Auto),
+            Ok("mma") => Ok(MlaKernel::MmaSync),
+            Ok("wgmma") => Ok(MlaKernel::Wgmma),
+            Ok(other) => bail!("K3_MLA_KERNEL={other:?}: expected mma, wgmma or auto"),
+        }
+    }
+
+    /// The kernel that runs for these widths on `gpu` (`Wgmma` asked where it does not apply is an error).
+    pub fn resolve(self, gpu: &Gpu, dqk: usize, dv: usize) -> Result<MlaKernel> {
+        let wg = mla_sm90_supported(gpu, dqk, dv);
+        match self {
+            MlaKernel::Auto => Ok(if wg { MlaKernel::Wgmma } else { MlaKernel::MmaSync }),
+            MlaKernel::Wgmma if !wg => bail!(
+                "the wgmma MLA kernel needs an sm_90 device (this one is sm_{}{}), v width 128 (got {dv}) and q/k width a multiple of 64 that fits shared memory (got {dqk})",
+                gpu.cc.0,
+                gpu.cc.1
+            ),
+            k => Ok(k),
+        }
+    }
+}
+
+/// Shared memory of `mla_attn_sm90`: the Q block, two stages of K and V^T tiles, alignment slack.
+fn mla_sm90_smem(dqk: usize, dv: usize) -> usize {
+    128 * dqk * 2 + 2 * (128 * dqk * 2 + dv * 128 * 2) + 1024
+}
+
+/// Whether `mla_attn_sm90` runs for these widths on `gpu`.
+pub fn mla_sm90_supported(gpu: &Gpu, dqk: usize, dv: usize) -> bool {
+    gpu.cc == (9, 0) && dv == 128 && dqk % 64 == 0 && dqk > 0 && mla_sm90_smem(dqk, dv) <= gpu.smem_optin.max(0) as usize
+}
+
+/// Row stride of the packed V^T of `tk` keys for `mla_attn_sm90` (whole key tiles, zero padded).
+pub fn mla_vt_ld(tk: usize) -> usize {
+    tk.div_ceil(128).max(1) * 128
+}
+
+/// `Vt[h][d][s]` (bf16, row stride `ld`, a multiple of 64, zeros past `tk`) from the v part of `kv`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_pack_vt(gpu: &Gpu, kv: P, kvs: usize, vt: P, ld: usize, tk: usize, h: usize, dn: usize, dv: usize) -> Result<()> {
+    if ld % 64 != 0 || ld < tk {
+        bail!("mla_pack_vt: row stride {ld} must be a multiple of 64 and at least the {tk} keys");
+    }
+    let f = gpu.func("mla_attn", &mla_defines(dn + 64, dv), "mla_pack_vt")?;
+    let mut a = KArgs::new().arg(kv).arg(kvs as i64).arg(vt).arg(ld as i64).arg(tk as i32).arg(h as i32).arg(dn as i32);
+    gpu.launch(f, ((ld / 64) as u32, h as u32, 1), (256, 1, 1), 0, &mut a, "mla_pack_vt")
+}
+
+/// The wgmma flash attention (sm_90): Qb/Kb as for `mla_attn_bf16`, V transposed (`mla_pack_vt`).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attn_sm90(gpu: &Gpu, qb: P, kb: P, vt: P, vt_ld: usize, out: P, os: usize, tq: usize, pos0: usize, h: usize, dqk: usize, dv: usize, scale: f32) -> Result<()> {
+    if !mla_sm90_supported(gpu, dqk, dv) || vt_ld % 128 != 0 || vt_ld < pos0 + tq {
+        bail!("mla_attn_sm90: not applicable (device sm_{}{}, qk {dqk}, v {dv}, V^T stride {vt_ld} for {} keys)", gpu.cc.0, gpu.cc.1, pos0 + tq);
+    }
+    let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), "mla_attn_sm90")?;
+    let smem = mla_sm90_smem(dqk, dv) as u32;
+    let mut a = KArgs::new()
+        .arg(qb)
+        .arg(kb)
+        .arg(vt)
+        .arg(vt_ld as i64)
+        .arg(out)
+        .arg(os as i64)
+        .arg(tq as i32)
+        .arg(pos0 as i32)
+        .arg(h as i32)
+        .arg(scale);
+    gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_sm90")
+}
+
+/// Packed bf16 operands of one causal MLA attention call, laid out for the kernel that will run.
+pub struct MlaPacked {
+    pub kernel: MlaKernel,
+    pub qb: DevMem,
+    pub kb: DevMem,
+    /// `Vb [h][tk][dv]` for mma.sync, `Vt [h][dv][vt_ld]` for wgmma.
+    pub v: DevMem,
+    pub vt_ld: usize,
+    pub tq: usize,
+    pub pos0: usize,
+    pub h: usize,
+    pub dqk: usize,
+    pub dv: usize,
+}
+
+/// Packs q (`[tq][h*(dn+dr)]`, row stride `qs`), k/v (`kv [tk][h*(dn+dv)]` + the shared `kpe` rows) for
+/// `kernel` (resolved on `gpu`). `tk = pos0 + tq`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_pack(
+    gpu: &Arc<Gpu>,
+    kernel: MlaKernel,
+    q: P,
+    qs: usize,
+    kv: P,
+    kvs: usize,
+    kpe: P,
+    kps: usize,
+    tq: usize,
+    pos0: usize,
+    h: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+) -> Result<MlaPacked> {
+    let (dqk, tk) = (dn + dr, pos0 + tq);
+    let kernel = kernel.resolve(gpu, dqk, dv)?;
+    let qb = gpu.alloc(tq * h * dqk * 2)?;
+    let kb = gpu.alloc(tk * h * dqk * 2)?;
+    mla_pack_q(gpu, q, qs, qb.ptr, tq, h, dqk, dv)?;
+    let (v, vt_ld) = if kernel == MlaKernel::Wgmma {
+        let ld = mla_vt_ld(tk);
+        let vt = gpu.alloc(h * dv * ld * 2)?;
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, kb.ptr, 0, tk, h, dn, dr, dv)?; // K only
+        mla_pack_vt(gpu, kv, kvs, vt.ptr, ld, tk, h, dn, dv)?;
+        (vt, ld)
+    } else {
+        let vb = gpu.alloc(tk * h * dv * 2)?;
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, kb.ptr, vb.ptr, tk, h, dn, dr, dv)?;
+        (vb, 0)
+    };
+    Ok(MlaPacked { kernel, qb, kb, v, vt_ld, tq, pos0, h, dqk, dv })
+}
+
+/// Runs the packed attention into `out` (`[tq][h*dv]` f32, row stride `os`).
+pub fn mla_attn_packed(gpu: &Gpu, p: &MlaPacked, out: P, os: usize, scale: f32) -> Result<()> {
+    match p.kernel {
+        MlaKernel::Wgmma => mla_attn_sm90(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, p.vt_ld, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
+        _ => mla_attn_bf16(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
+    }
 }
 
 // ---- MoE ---------------------------------------------------------------------------------

@@ -27,7 +27,19 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("moe_gemm", include_str!("../../../kernels/moe_gemm.cu")),
     ("kda", include_str!("../../../kernels/kda.cu")),
     ("mla_attn", include_str!("../../../kernels/mla_attn.cu")),
+    ("mla_attn_sm90", include_str!("../../../kernels/mla_attn_sm90.cu")),
 ];
+
+/// The NVRTC target for `module` on a device of architecture `arch` (`sm_90`), or `None` when the
+/// module does not run there: modules named `*_sm90` use wgmma, which exists only on the
+/// architecture-specific target `sm_90a` (Hopper).
+pub fn module_arch(module: &str, arch: &str) -> Option<String> {
+    if module.ends_with("_sm90") {
+        (arch == "sm_90").then(|| "sm_90a".to_string())
+    } else {
+        Some(arch.to_string())
+    }
+}
 
 /// The full translation unit NVRTC compiles for `module`.
 pub fn full_source(module: &str, defines: &[String]) -> Result<String> {
@@ -70,6 +82,8 @@ pub fn version() -> Result<(i32, i32)> {
 
 /// Compiles (or loads from the cache) `kernels/<module>.cu` for `arch` (`sm_90`), returning a CUBIN.
 pub fn compile_cached(module: &str, defines: &[String], arch: &str) -> Result<Vec<u8>> {
+    let target = module_arch(module, arch).ok_or_else(|| anyhow!("kernels/{module}.cu runs only on sm_90 (Hopper), not on {arch}"))?;
+    let arch = target.as_str();
     let src = full_source(module, defines)?;
     let ver = version()?;
     let mut h = Sha256::new();
