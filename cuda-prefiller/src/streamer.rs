@@ -344,6 +344,12 @@ pub struct StreamedWeights {
     streamer: std::sync::Mutex<Option<WeightStreamer>>,
 }
 
+impl std::fmt::Debug for StreamedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StreamedWeights({})", self.plan.describe())
+    }
+}
+
 impl StreamedWeights {
     /// Plans and allocates the slots and the staging for `model` (its checkpoint and layer plan).
     pub fn new(model: &crate::model::Model<crate::cuda::CudaBackend>, opts: &StreamOptions) -> Result<Self> {
@@ -676,6 +682,16 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         self.layer_end.push((l, end));
         Ok(())
     }
+}
+
+/// Whether `b` is the CUDA backend (the one that streams weights).
+pub fn is_cuda_backend<B: crate::backend::Backend + 'static>(b: &B) -> bool {
+    (b as &dyn std::any::Any).is::<crate::cuda::CudaBackend>()
+}
+
+/// Whether `model` runs on the CUDA backend (the one that streams weights).
+pub fn is_cuda<B: crate::backend::Backend + 'static>(model: &crate::model::Model<B>) -> bool {
+    (model as &dyn std::any::Any).is::<crate::model::Model<crate::cuda::CudaBackend>>()
 }
 
 /// Streamed weights for `model` when its backend is CUDA; an error names the backend otherwise.

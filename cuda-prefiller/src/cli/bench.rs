@@ -2,7 +2,9 @@
 //!
 //! Two modes:
 //! - `--model DIR`: the whole model through the layer-major executor on the chosen backend
-//!   (`--backend cpu|cuda|auto`), for each `--tokens` length: tokens/s and GFLOP/s.
+//!   (`--backend cpu|cuda|auto`), for each `--tokens` length: tokens/s and GFLOP/s. On CUDA the
+//!   weights are streamed per prompt (`--vram-budget`, `--expert-chunk`; `--resident` keeps
+//!   them loaded instead), with compute vs waiting-for-weights per layer.
 //! - `--project`: real K3 widths (7168 hidden, 896 MXFP4 experts) without a checkpoint. A few
 //!   layers (`--layers`, pattern KDA,KDA,KDA,MLA as in K3) with random weights held in host
 //!   RAM are streamed to the GPU by the [`WeightStreamer`] (pinned double-buffered staging, copy
@@ -25,7 +27,7 @@ use crate::cpu::CpuBackend;
 use crate::cuda::gpu::Event;
 use crate::cuda::synth_layer::{self as sl, Attn, Dims, LayerLayout, LayerState, LayerWeights};
 use crate::cuda::{CudaBackend, Precision};
-use crate::executor::{self, ExecOptions, LogitsRows, PrefillInput};
+use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
 use crate::streamer::{HostRegions, WeightStreamer};
 
@@ -55,9 +57,16 @@ pub struct Args {
     /// Projection: routed experts per layer (default: K3's 896).
     #[arg(long)]
     pub experts: Option<usize>,
-    /// Projection: device memory for weight slots, GB (default: two whole layers).
+    /// Projection and model mode (CUDA): device memory for weight slots, GB (default: two
+    /// whole layers); below that, each layer's routed experts stream in chunks.
     #[arg(long)]
     pub vram_budget: Option<f64>,
+    /// Model mode (CUDA): at most this many routed experts per streamed transfer unit.
+    #[arg(long)]
+    pub expert_chunk: Option<usize>,
+    /// Model mode (CUDA): keep every layer resident instead of streaming the weights per prompt.
+    #[arg(long)]
+    pub resident: bool,
     /// Tokens per chunk within a layer.
     #[arg(long, default_value_t = 16384)]
     pub chunk_tokens: usize,
@@ -120,19 +129,48 @@ struct ModelRow {
     tokens_per_s: f64,
     gflop: f64,
     gflop_per_s: f64,
+    /// Weights streamed per prompt (CUDA) or resident.
+    streamed: bool,
+    weight_gb: f64,
+    /// Σ over layers: GPU compute, GPU waiting for weights, executor waiting for the readers,
+    /// copy stream busy (streamed only).
+    compute_s: f64,
+    wait_s: f64,
+    host_wait_s: f64,
+    copy_s: f64,
+    h2d_gbs: f64,
+    per_layer: Vec<crate::streamer::LayerStreamTime>,
 }
 
 fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
-    let model = Model::new(b.clone(), ck, WeightPolicy::Resident)?;
+    let stream = crate::streamer::is_cuda_backend(&*b) && !args.resident;
+    let model = Model::new(b.clone(), ck, if stream { WeightPolicy::PerLayer } else { WeightPolicy::Resident })?;
+    let sw = if stream {
+        let opts = crate::streamer::StreamOptions {
+            vram_budget: crate::streamer::StreamOptions::budget_from_gb(args.vram_budget)?,
+            readers: args.readers.max(1),
+            stage_bytes: args.stage_mib.max(1) << 20,
+            expert_chunk: args.expert_chunk,
+        };
+        let sw = crate::streamer::streamed_weights_for(&model, &opts)?;
+        eprintln!("weight streamer: {}", sw.plan().describe());
+        Some(sw)
+    } else {
+        None
+    };
     let cfg = model.cfg.clone();
     let d = Dims::of(&cfg);
+    let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
+    let ids_of = |t: usize| -> Vec<u32> { (0..t).map(|i| ((i as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect() };
+    // warm-up (kernel compilation, allocator pools), untimed
+    let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
+    crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids_of(256)), &opts, |_| Ok(()))?;
     let mut rows = Vec::new();
     for &t in &args.tokens {
-        let ids: Vec<u32> = (0..t).map(|i| ((i as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect();
+        let ids = ids_of(t);
         let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
-        let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
         let t0 = Instant::now();
-        executor::prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(()))?;
+        let (_, st) = crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(()))?;
         let s = t0.elapsed().as_secs_f64();
         let mut flops = 0.0;
         for spec in &model.plan {
@@ -140,15 +178,58 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             flops += sl::layer_flops(attn, &d, t, 0);
         }
         flops += 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
-        rows.push(ModelRow { backend: b.name().into(), tokens: t, seconds: s, tokens_per_s: t as f64 / s, gflop: flops / 1e9, gflop_per_s: flops / 1e9 / s });
+        let st = st.unwrap_or_default();
+        rows.push(ModelRow {
+            backend: b.name().into(),
+            tokens: t,
+            seconds: s,
+            tokens_per_s: t as f64 / s,
+            gflop: flops / 1e9,
+            gflop_per_s: flops / 1e9 / s,
+            streamed: stream,
+            weight_gb: st.bytes as f64 / 1e9,
+            compute_s: st.compute_s,
+            wait_s: st.wait_s,
+            host_wait_s: st.host_wait_s,
+            copy_s: st.copy_s,
+            h2d_gbs: if st.copy_s > 0.0 { st.bytes as f64 / 1e9 / st.copy_s } else { f64::NAN },
+            per_layer: st.layers,
+        });
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        println!("{:>8} {:>8} {:>10} {:>12} {:>10} {:>10}", "backend", "tokens", "seconds", "tokens/s", "GFLOP", "GFLOP/s");
-        for r in &rows {
-            println!("{:>8} {:>8} {:>10.3} {:>12.1} {:>10.1} {:>10.1}", r.backend, r.tokens, r.seconds, r.tokens_per_s, r.gflop, r.gflop_per_s);
+        return Ok(());
+    }
+    for r in rows.iter().filter(|r| r.streamed) {
+        println!("\n== {} tokens, streamed weights: per layer (GPU ms) ==", r.tokens);
+        println!("{:>5} {:>4} {:>9} {:>6} {:>11} {:>9} {:>12} {:>9}", "layer", "attn", "MB", "units", "compute ms", "wait ms", "host wait ms", "copy ms");
+        for l in &r.per_layer {
+            let attn = match model.plan.get(l.layer).map(|s| s.attn) {
+                Some(k3_protocol::config::AttnKind::Mla) => "MLA",
+                _ => "KDA",
+            };
+            println!(
+                "{:>5} {:>4} {:>9.1} {:>6} {:>11.2} {:>9.2} {:>12.2} {:>9.2}",
+                l.layer,
+                attn,
+                l.bytes as f64 / 1e6,
+                l.units,
+                l.compute_ms,
+                l.wait_ms,
+                l.host_wait_ms,
+                l.copy_ms
+            );
         }
+    }
+    println!(
+        "\n{:>8} {:>8} {:>10} {:>12} {:>10} {:>10} {:>9} {:>10} {:>9} {:>10} {:>9} {:>9}",
+        "backend", "tokens", "seconds", "tokens/s", "GFLOP", "GFLOP/s", "weight GB", "compute s", "wait s", "host wait", "copy s", "H2D GB/s"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>8} {:>10.3} {:>12.1} {:>10.1} {:>10.1} {:>9.3} {:>10.3} {:>9.3} {:>10.3} {:>9.3} {:>9.1}",
+            r.backend, r.tokens, r.seconds, r.tokens_per_s, r.gflop, r.gflop_per_s, r.weight_gb, r.compute_s, r.wait_s, r.host_wait_s, r.copy_s, r.h2d_gbs
+        );
     }
     Ok(())
 }

@@ -13,8 +13,9 @@ use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
-use crate::executor::{self, ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
+use crate::executor::{ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
+use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for, StreamOptions};
 
 /// Which ops backend runs the forward.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +54,52 @@ pub struct Args {
     /// CUDA arithmetic: `f32` (check mode, matches the fp32 golden sets) or `bf16` (serving).
     #[arg(long, default_value = "f32")]
     pub precision: String,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    /// CUDA: load each layer's weights synchronously when the executor reaches it instead of
+    /// streaming them (the former path; for comparison).
+    #[arg(long)]
+    pub sync_weights: bool,
+}
+
+/// Weight streaming on the CUDA backend (`forward`, `serve`): the next layer's weights are read
+/// by a pool of threads into pinned staging and copied on the copy stream while the current
+/// layer computes; each prompt's weights cross PCIe once (layer-major).
+#[derive(clap::Args, Debug, Clone)]
+pub struct StreamArgs {
+    /// CUDA: device memory for the streamer's weight slots, GB (default: two of the largest
+    /// layer). When two whole layers do not fit, each layer's routed experts stream in chunks
+    /// (e.g. 24 on a 32 GB card).
+    #[arg(long)]
+    pub vram_budget: Option<f64>,
+    /// CUDA: at most this many routed experts per transfer unit (experts stream in chunks even
+    /// where whole layers fit the budget).
+    #[arg(long)]
+    pub expert_chunk: Option<usize>,
+    /// CUDA: reader threads filling the staging buffers (default: the cores, at most 16).
+    #[arg(long)]
+    pub stream_readers: Option<usize>,
+    /// CUDA: bytes per pinned staging buffer, MiB (two are allocated).
+    #[arg(long, default_value_t = 256)]
+    pub stage_mib: usize,
+}
+
+impl StreamArgs {
+    pub fn options(&self) -> anyhow::Result<StreamOptions> {
+        let d = StreamOptions::default();
+        anyhow::ensure!(self.stage_mib > 0, "--stage-mib must be at least 1");
+        Ok(StreamOptions {
+            vram_budget: StreamOptions::budget_from_gb(self.vram_budget)?,
+            readers: self.stream_readers.unwrap_or(d.readers).max(1),
+            stage_bytes: self.stage_mib << 20,
+            expert_chunk: self.expert_chunk,
+        })
+    }
+
+    /// Whether any streaming option was given (they only apply to the CUDA backend).
+    pub fn given(&self) -> bool {
+        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some()
+    }
 }
 
 /// Reads a JSON array of token ids; every entry must be an integer in u32 range.
@@ -106,7 +153,7 @@ fn hidden_tensors(t: &HiddenTrace, h: usize) -> Vec<(String, Vec<usize>, Vec<f32
 }
 
 /// The whole command over a chosen backend.
-pub fn run_with<B: Backend>(backend: Arc<B>, args: &Args) -> anyhow::Result<()> {
+pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::Result<()> {
     let ids = read_ids(&args.input_ids)?;
     if ids.is_empty() {
         bail!("{}: no token ids", args.input_ids.display());
@@ -133,17 +180,39 @@ pub fn run_with<B: Backend>(backend: Arc<B>, args: &Args) -> anyhow::Result<()> 
         trace_last: args.dump_hidden,
         ..Default::default()
     };
+    let streamed = if is_cuda(&model) && !args.sync_weights {
+        Some(streamed_weights_for(&model, &args.stream.options()?)?)
+    } else {
+        if args.stream.given() {
+            tracing::warn!("the weight-streaming options apply to the CUDA backend without --sync-weights; ignored");
+        }
+        None
+    };
     let bar = ProgressBar::new(model.plan.len() as u64);
     bar.set_style(ProgressStyle::with_template("{msg} [{bar:40}] layer {pos}/{len} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
-    bar.set_message(format!("prefill {} tokens ({})", ids.len(), model.backend.name()));
+    bar.set_message(format!(
+        "prefill {} tokens ({}{})",
+        ids.len(),
+        model.backend.name(),
+        if streamed.is_some() { ", streamed weights" } else { "" }
+    ));
     let t0 = std::time::Instant::now();
-    let out = executor::prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |ev| {
+    let (out, stats) = prefill_maybe_streamed(&model, streamed.as_ref(), &mut state, PrefillInput::tokens(&ids), &opts, |ev| {
         bar.inc(1);
         tracing::debug!(layer = ev.layer, "layer state ready");
         Ok(())
     })?;
     bar.finish_and_clear();
     tracing::info!(tokens = ids.len(), base, secs = t0.elapsed().as_secs_f64(), "forward done");
+    if let Some(st) = &stats {
+        tracing::info!(
+            weights_gb = format!("{:.3}", st.bytes as f64 / 1e9),
+            compute_s = format!("{:.3}", st.compute_s),
+            waiting_for_weights_s = format!("{:.3}", st.wait_s + st.host_wait_s),
+            copy_s = format!("{:.3}", st.copy_s),
+            "weights streamed"
+        );
+    }
 
     let mut extra: Vec<(String, Vec<usize>, Vec<f32>)> = vec![("logits".into(), vec![out.logits_rows, out.vocab], out.logits)];
     if let Some(t) = &out.trace {

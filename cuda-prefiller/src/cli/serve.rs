@@ -20,7 +20,9 @@ use k3_protocol::Checkpoint;
 use crate::backend::Backend;
 use crate::cli::synth::parse_size;
 use crate::cpu::CpuBackend;
+use crate::cli::forward::StreamArgs;
 use crate::model::{Model, WeightPolicy};
+use crate::streamer::streamed_weights_for;
 use crate::server::{PrefillNode, ServeOptions, StoreLimits};
 
 /// Which ops backend serves.
@@ -35,8 +37,12 @@ pub enum ServeBackend {
 /// Weight residency.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Weights {
-    /// Resident when the checkpoint is under 8 GB, else per layer.
+    /// Resident when the checkpoint is under 8 GB (and no streaming option is given), else
+    /// streamed on CUDA and per layer on the CPU.
     Auto,
+    /// CUDA: each prompt's weights streamed layer by layer (next layer copied while the current
+    /// one computes; `--vram-budget` bounds the slots).
+    Streamed,
     /// Every layer loaded once at start.
     Resident,
     /// Each layer loaded when the executor reaches it (bounded memory, large models).
@@ -86,6 +92,12 @@ pub struct Args {
     pub chunk_tokens: usize,
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    /// Serve the node's metrics (OpenMetrics text: requests, tokens, compute, streamed-weight
+    /// transfer and waits) at `GET /metrics` on this TCP address, e.g. 127.0.0.1:9433.
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
     /// Testing: sleep this many milliseconds after each layer.
     #[arg(long, default_value_t = 0, hide = true)]
     pub debug_layer_delay_ms: u64,
@@ -99,6 +111,7 @@ impl Args {
             max_request_tokens: self.max_request_tokens,
             chunk_tokens: self.chunk_tokens.max(1),
             layer_delay: Duration::from_millis(self.debug_layer_delay_ms),
+            metrics_listen: self.metrics_listen,
             ..ServeOptions::default()
         }
     }
@@ -160,25 +173,39 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     let (identity, peers) = peer_auth(args)?;
     let fingerprint = ck.fingerprint();
     let total_bytes: u64 = ck.total_bytes();
+    let cuda = backend.name() == "cuda";
+    let stream = match args.weights {
+        Weights::Streamed if !cuda => bail!("--weights streamed needs the CUDA backend (this node runs on {})", backend.name()),
+        Weights::Streamed => true,
+        Weights::Auto => cuda && (total_bytes >= 8_000_000_000 || args.stream.given()),
+        Weights::Resident | Weights::PerLayer => false,
+    };
+    if args.stream.given() && !stream {
+        tracing::warn!("the weight-streaming options apply to --weights streamed (or auto) on CUDA; ignored");
+    }
     let policy = match args.weights {
         Weights::Resident => WeightPolicy::Resident,
-        Weights::PerLayer => WeightPolicy::PerLayer,
-        Weights::Auto if total_bytes < 8_000_000_000 => WeightPolicy::Resident,
-        Weights::Auto => WeightPolicy::PerLayer,
+        Weights::Auto if !stream && total_bytes < 8_000_000_000 => WeightPolicy::Resident,
+        _ => WeightPolicy::PerLayer,
     };
     let t0 = std::time::Instant::now();
     let name = backend.name().to_string();
     let model = Model::new(backend, ck, policy).context("loading the model")?;
+    let mut opts = args.options();
+    if stream {
+        opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
+    }
     tracing::info!(
         model = %args.model.display(),
         fingerprint = %fingerprint.short(),
         backend = %name,
         ?policy,
+        streamed = stream,
         secs = format!("{:.2}", t0.elapsed().as_secs_f64()),
         "model loaded"
     );
     let node_cfg = NodeConfig::new(identity, peers, fingerprint, &name);
-    let node = PrefillNode::start(model, args.listen, node_cfg, args.options())?;
+    let node = PrefillNode::start(model, args.listen, node_cfg, opts)?;
     // `k3-prefill serve` scripts wait for this exact line on stderr.
     eprintln!("k3-prefill: serving on {} (backend {name}, model {})", node.local_addr(), fingerprint.short());
     node.run_until_signal();

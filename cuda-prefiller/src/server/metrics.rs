@@ -1,9 +1,15 @@
 //! Counters of a running prefill node and a short history of its requests, for logs, tests and
-//! whoever exports metrics. Cheap to update from any task; [`ServerMetrics::snapshot`] reads
-//! everything at once.
+//! the `GET /metrics` endpoint ([`openmetrics`]: OpenMetrics text through a prometheus-client
+//! registry, `serve --metrics-listen`). Cheap to update from any task.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use serde::Serialize;
 
@@ -40,6 +46,27 @@ pub struct RequestRecord {
     /// Accepted → Done sent.
     pub total_s: f64,
     pub state_bytes: u64,
+    /// Weight streaming of this prompt (CUDA streamer only).
+    pub weights: Option<WeightTiming>,
+}
+
+/// What streaming one prompt's weights cost (from [`crate::streamer::StreamStats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct WeightTiming {
+    /// Weight bytes copied to the GPU for the prompt.
+    pub bytes: u64,
+    /// Copy stream busy with them.
+    pub transfer_s: f64,
+    /// GPU compute of the layers (waits excluded).
+    pub gpu_compute_s: f64,
+    /// Compute waiting for weights (GPU side, plus the executor thread waiting for the readers).
+    pub wait_s: f64,
+}
+
+impl WeightTiming {
+    pub fn of(s: &crate::streamer::StreamStats) -> Self {
+        WeightTiming { bytes: s.bytes as u64, transfer_s: s.copy_s, gpu_compute_s: s.compute_s, wait_s: s.wait_s + s.host_wait_s }
+    }
 }
 
 /// Counters since start.
@@ -58,6 +85,11 @@ pub struct Counters {
     pub in_flight: u64,
     /// Layers whose state went to the network (all requests).
     pub layers_sent: u64,
+    /// Streamed weights, summed over requests (see [`WeightTiming`]).
+    pub weight_bytes: u64,
+    pub weight_transfer_s: f64,
+    pub weight_gpu_compute_s: f64,
+    pub weight_wait_s: f64,
 }
 
 /// Everything at one instant.
@@ -97,6 +129,12 @@ impl ServerMetrics {
                 Outcome::Failed { .. } => c.failed += 1,
             }
             c.compute_s += r.compute_s;
+            if let Some(w) = &r.weights {
+                c.weight_bytes += w.bytes;
+                c.weight_transfer_s += w.transfer_s;
+                c.weight_gpu_compute_s += w.gpu_compute_s;
+                c.weight_wait_s += w.wait_s;
+            }
             if g.1.len() == RECENT {
                 g.1.pop_front();
             }
@@ -125,5 +163,145 @@ impl ServerMetrics {
 
     pub fn recent(&self) -> Vec<RequestRecord> {
         self.inner.lock().map(|g| g.1.iter().cloned().collect()).unwrap_or_default()
+    }
+}
+
+/// The node's metrics in the OpenMetrics text format (prefix `k3_prefill_`): counters since
+/// start, the session store, and the last request's timing (compute, streamed-weight transfer
+/// and waits).
+pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRecord>) -> String {
+    let mut r = Registry::with_prefix("k3_prefill");
+    let count = |r: &mut Registry, name: &str, help: &str, v: u64| {
+        let m: Counter = Counter::default();
+        m.inc_by(v);
+        r.register(name, help, m);
+    };
+    let seconds = |r: &mut Registry, name: &str, help: &str, v: f64| {
+        let m: Counter<f64, AtomicU64> = Counter::default();
+        m.inc_by(v.max(0.0));
+        r.register(name, help, m);
+    };
+    let gauge = |r: &mut Registry, name: &str, help: &str, v: f64| {
+        let m: Gauge<f64, AtomicU64> = Gauge::default();
+        m.set(v);
+        r.register(name, help, m);
+    };
+    count(&mut r, "connections", "Decoder connections accepted", c.connections);
+    count(&mut r, "handshake_failures", "Decoders that could not connect", c.handshake_failures);
+    count(&mut r, "requests", "Prefill requests received", c.requests);
+    count(&mut r, "requests_completed", "Prefill requests completed", c.completed);
+    count(&mut r, "requests_refused", "Prefill requests refused", c.refused);
+    count(&mut r, "requests_failed", "Prefill requests failed after acceptance", c.failed);
+    count(&mut r, "tokens_prefilled", "Tokens prefilled by completed requests", c.tokens_prefilled);
+    count(&mut r, "state_bytes_sent", "Hand-off state bytes delivered", c.state_bytes_sent);
+    count(&mut r, "layers_sent", "Layer states sent", c.layers_sent);
+    seconds(&mut r, "compute_seconds", "Executor time (network waits excluded)", c.compute_s);
+    count(&mut r, "weight_bytes", "Weight bytes streamed to the GPU", c.weight_bytes);
+    seconds(&mut r, "weight_transfer_seconds", "Copy stream busy with streamed weights", c.weight_transfer_s);
+    seconds(&mut r, "weight_gpu_compute_seconds", "GPU compute of streamed layers (waits excluded)", c.weight_gpu_compute_s);
+    seconds(&mut r, "weight_wait_seconds", "Compute waiting for streamed weights", c.weight_wait_s);
+    gauge(&mut r, "in_flight", "Requests computing or queued", c.in_flight as f64);
+    gauge(&mut r, "sessions", "Session prefixes held", sessions.sessions as f64);
+    gauge(&mut r, "session_bytes", "Bytes of the held session prefixes", sessions.bytes as f64);
+    if let Some(l) = last {
+        gauge(&mut r, "last_request_tokens", "New tokens of the last request", l.new_tokens as f64);
+        gauge(&mut r, "last_request_compute_seconds", "Executor time of the last request", l.compute_s);
+        if let Some(w) = &l.weights {
+            gauge(&mut r, "last_request_weight_transfer_seconds", "Weight transfer of the last request", w.transfer_s);
+            gauge(&mut r, "last_request_weight_gpu_compute_seconds", "GPU compute of the last request", w.gpu_compute_s);
+            gauge(&mut r, "last_request_weight_wait_seconds", "Waiting for weights in the last request", w.wait_s);
+        }
+    }
+    let mut out = String::new();
+    if let Err(e) = encode(&mut out, &r) {
+        tracing::warn!("metrics: encoding failed: {e}");
+    }
+    out
+}
+
+/// `GET /metrics` over plain HTTP/1.1 until told to stop (one short response per connection).
+pub(crate) async fn serve_http(listener: tokio::net::TcpListener, sh: Arc<crate::server::Shared>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let (mut sock, _) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("metrics: accept failed: {e}");
+                    continue;
+                }
+            },
+            _ = stop.wait_for(|v| *v) => return,
+        };
+        let sh = sh.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
+                Ok(Ok(n)) => n,
+                _ => return,
+            };
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics ") || req.starts_with("GET / ") {
+                let sessions = sh.sessions.lock().map(|s| s.stats()).unwrap_or_default();
+                let recent = sh.metrics.recent();
+                ("200 OK", openmetrics(&sh.metrics.counters(), &sessions, recent.last()))
+            } else {
+                ("404 Not Found", "only GET /metrics here\n".to_string())
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: u64, weights: Option<WeightTiming>) -> RequestRecord {
+        RequestRecord {
+            request: id,
+            peer: "p".into(),
+            session: "s".into(),
+            base_tokens: 0,
+            new_tokens: 100,
+            outcome: Outcome::Completed,
+            queue_s: 0.0,
+            compute_s: 2.0,
+            network_wait_s: 0.0,
+            total_s: 2.5,
+            state_bytes: 10,
+            weights,
+        }
+    }
+
+    #[test]
+    fn streamed_weight_timing_is_summed_and_exported() {
+        let m = ServerMetrics::default();
+        m.record(record(1, Some(WeightTiming { bytes: 3_000, transfer_s: 0.5, gpu_compute_s: 1.5, wait_s: 0.25 })));
+        m.record(record(2, Some(WeightTiming { bytes: 1_000, transfer_s: 0.25, gpu_compute_s: 1.0, wait_s: 0.5 })));
+        m.record(record(3, None));
+        let c = m.counters();
+        assert_eq!((c.completed, c.weight_bytes), (3, 4_000));
+        assert_eq!((c.weight_transfer_s, c.weight_gpu_compute_s, c.weight_wait_s), (0.75, 2.5, 0.75));
+        let recent = m.recent();
+        let text = openmetrics(&c, &StoreStats::default(), recent.iter().rev().nth(1));
+        for line in [
+            "k3_prefill_weight_bytes_total 4000",
+            "k3_prefill_weight_transfer_seconds_total 0.75",
+            "k3_prefill_weight_wait_seconds_total 0.75",
+            "k3_prefill_weight_gpu_compute_seconds_total 2.5",
+            "k3_prefill_requests_completed_total 3",
+            "k3_prefill_last_request_weight_wait_seconds 0.5",
+            "k3_prefill_last_request_compute_seconds 2.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(text.trim_end().ends_with("# EOF"));
     }
 }

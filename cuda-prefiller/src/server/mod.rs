@@ -54,6 +54,10 @@ pub struct ServeOptions {
     /// Test hook: the worker sleeps this long after each layer.
     #[doc(hidden)]
     pub layer_delay: Duration,
+    /// Stream each prompt's weights through these (CUDA backend; `None`: the model's own).
+    pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
+    /// Serve the metrics in the OpenMetrics text format at `GET /metrics` on this TCP address.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for ServeOptions {
@@ -65,6 +69,8 @@ impl Default for ServeOptions {
             chunk_tokens: 512,
             layer_buffer: 2,
             layer_delay: Duration::ZERO,
+            streamed: None,
+            metrics_listen: None,
         }
     }
 }
@@ -109,7 +115,7 @@ impl PrefillNode {
         let addr = server.local_addr();
         let (jobs, worker) = worker::spawn(
             Arc::new(model),
-            worker::WorkerOptions { chunk_tokens: opts.chunk_tokens, layer_delay: opts.layer_delay },
+            worker::WorkerOptions { chunk_tokens: opts.chunk_tokens, streamed: opts.streamed.clone(), layer_delay: opts.layer_delay },
         )
         .context("starting the compute thread")?;
         let shared = Arc::new(Shared {
@@ -121,6 +127,16 @@ impl PrefillNode {
             in_flight: AtomicUsize::new(0),
         });
         let (stop, stop_rx) = watch::channel(false);
+        if let Some(maddr) = shared.opts.metrics_listen {
+            let listener = {
+                let _g = runtime.enter();
+                let std_listener = std::net::TcpListener::bind(maddr).with_context(|| format!("metrics: listening on {maddr}"))?;
+                std_listener.set_nonblocking(true).context("metrics listener")?;
+                tokio::net::TcpListener::from_std(std_listener).context("metrics listener")?
+            };
+            tracing::info!(addr = %maddr, "metrics at GET /metrics");
+            runtime.spawn(metrics::serve_http(listener, shared.clone(), stop_rx.clone()));
+        }
         let serve_task = runtime.spawn(serve(server, shared.clone(), stop_rx));
         tracing::info!(%addr, backend, "prefill node ready");
         Ok(PrefillNode { addr, backend, shared, stop, runtime: Some(runtime), serve_task: Some(serve_task), worker: Some(worker) })

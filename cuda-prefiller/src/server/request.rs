@@ -107,6 +107,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         network_wait_s: 0.0,
         total_s: 0.0,
         state_bytes: 0,
+        weights: None,
     };
     sh.metrics.update(|c| c.requests += 1);
 
@@ -222,8 +223,10 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         compute_s: 0.0,
         network_wait_s: 0.0,
         queue_s: 0.0,
+        weights: None,
     });
     drop(in_flight_guard);
+    record.weights = done.weights.as_ref().map(crate::server::metrics::WeightTiming::of);
     record.queue_s = done.queue_s;
     record.compute_s = done.compute_s;
     record.network_wait_s = done.network_wait_s;
@@ -275,6 +278,8 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         total_s = format!("{:.3}", record.total_s),
         tok_per_s = format!("{:.1}", new_tokens as f64 / done.compute_s.max(1e-9)),
         state_mb = format!("{:.2}", state_bytes as f64 / 1e6),
+        weights_gb = record.weights.as_ref().map(|w| format!("{:.3}", w.bytes as f64 / 1e9)).unwrap_or_default(),
+        weights_wait_s = record.weights.as_ref().map(|w| format!("{:.3}", w.wait_s)).unwrap_or_default(),
         sessions = stats.sessions,
         sessions_mb = format!("{:.1}", stats.bytes as f64 / 1e6),
         "prefill done"

@@ -13,7 +13,7 @@ use k3_protocol::handoff::{HandoffState, LayerState};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::backend::Backend;
-use crate::executor::{self, EmbeddingOverrides, ExecOptions, LogitsRows, PrefillInput};
+use crate::executor::{EmbeddingOverrides, ExecOptions, LogitsRows, PrefillInput};
 use crate::model::Model;
 
 /// One finished layer.
@@ -35,6 +35,8 @@ pub struct JobDone {
     pub network_wait_s: f64,
     /// Queued → started.
     pub queue_s: f64,
+    /// Weight streaming of the prompt (CUDA streamer; `None` with resident or per-layer weights).
+    pub weights: Option<crate::streamer::StreamStats>,
 }
 
 pub struct Job {
@@ -53,6 +55,8 @@ pub struct Job {
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
     pub chunk_tokens: usize,
+    /// Stream each prompt's weights through these (the model's backend is then CUDA).
+    pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
     /// Test hook: sleep this long after each layer (makes a transfer slow enough to kill).
     pub layer_delay: Duration,
 }
@@ -69,7 +73,7 @@ pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) ->
     Ok((tx, h))
 }
 
-fn run_job<B: Backend>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
+fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
     let Job { request, tokens, overrides, mut state, layers, done, cancel, queued_at } = job;
     let queue_s = queued_at.elapsed().as_secs_f64();
     if cancel.load(Ordering::Relaxed) {
@@ -79,6 +83,7 @@ fn run_job<B: Backend>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
             compute_s: 0.0,
             network_wait_s: 0.0,
             queue_s,
+            weights: None,
         });
         return;
     }
@@ -89,7 +94,7 @@ fn run_job<B: Backend>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
     let mut waited = Duration::ZERO;
     let input = PrefillInput { tokens: &tokens, overrides: overrides.as_ref() };
     let res = catch_unwind(AssertUnwindSafe(|| {
-        executor::prefill(model, &mut state, input, &exec, |ev| {
+        crate::streamer::prefill_maybe_streamed(model, opts.streamed.as_deref(), &mut state, input, &exec, |ev| {
             if cancel.load(Ordering::Relaxed) {
                 anyhow::bail!("the transfer was cancelled");
             }
@@ -106,8 +111,10 @@ fn run_job<B: Backend>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
     drop(layers);
     let compute_s = (t0.elapsed() - waited).as_secs_f64();
     let network_wait_s = waited.as_secs_f64();
+    let mut weights = None;
     let (state, result) = match res {
-        Ok(Ok(out)) => {
+        Ok(Ok((out, st))) => {
+            weights = st;
             if out.logits_rows == 1 && out.logits.len() == out.vocab {
                 (Some(state), Ok(out.logits))
             } else {
@@ -125,5 +132,5 @@ fn run_job<B: Backend>(model: &Model<B>, opts: &WorkerOptions, job: Job) {
             (None, Err(anyhow::anyhow!("internal error in the executor: {what}")))
         }
     };
-    let _ = done.send(JobDone { state, result, compute_s, network_wait_s, queue_s });
+    let _ = done.send(JobDone { state, result, compute_s, network_wait_s, queue_s, weights });
 }
