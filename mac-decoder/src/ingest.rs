@@ -158,8 +158,8 @@ pub fn export_state(c: &TextConfig, cache: &ModelCache) -> Result<HandoffState> 
             }),
             LayerCache::Mla(m) => LayerState::Mla(MlaState {
                 width: m.width,
-                latent: match &m.latent {
-                    Some(a) => to_vec_f32(a)?,
+                latent: match m.latent()? {
+                    Some(a) => to_vec_f32(&a)?,
                     None => Vec::new(),
                 },
             }),

@@ -163,14 +163,14 @@ impl Conversation {
             out.push(match (old, new_layer) {
                 (LayerCache::Kda(_), StagedLayer::Kda(k)) => LayerCache::Kda(k),
                 (LayerCache::Mla(m), StagedLayer::Mla(rows)) => {
-                    let prefix = match (&m.latent, base) {
+                    let prefix = match (m.latent()?, base) {
                         (_, 0) | (None, _) => None,
                         (Some(a), b) => {
                             let have = a.shape()[0] as usize;
                             if have < b {
                                 bail!("layer {l}: the session holds {have} latent rows, fewer than the node's prefix of {b}");
                             }
-                            Some(if have == b { a.clone() } else { a.try_index(0..b as i32).with_context(|| format!("layer {l}: cutting the latent rows"))? })
+                            Some(if have == b { a } else { a.try_index(0..b as i32).with_context(|| format!("layer {l}: cutting the latent rows"))? })
                         }
                     };
                     let latent = match (prefix, rows) {
@@ -178,7 +178,7 @@ impl Conversation {
                         (Some(p), None) => Some(p),
                         (Some(p), Some(r)) => Some(ops::concatenate(&[&p, &r], 0).with_context(|| format!("layer {l}: appending latent rows"))?),
                     };
-                    LayerCache::Mla(MlaCache { latent, width: m.width })
+                    LayerCache::Mla(MlaCache::from_rows(m.width, latent))
                 }
                 _ => bail!("layer {l}: the delta's layer kind differs from the session's"),
             });
