@@ -38,10 +38,10 @@ impl KdaCache {
 
 /// MLA layer state: the latent rows of every token seen, `[rows, kv_lora_rank + qk_rope_head_dim]`.
 ///
-/// The rows live in a buffer with spare capacity: a decode step writes its one row in place
-/// (MLX `slice_update` on a buffer nothing else references) instead of copying every row of
-/// the layer, and the buffer grows by a quarter (at least [`MlaCache::GROW_ROWS`] rows) when
-/// full, so a long context costs amortised O(1) copies per token and at most ~25 % spare memory.
+/// The rows live in a buffer with spare capacity: a decode step writes its row with MLX
+/// `slice_update` (same-size buffers, so the allocator recycles them; see docs/decoder.md for
+/// the measured gain over concatenation), and the buffer grows by a quarter (at least
+/// [`MlaCache::GROW_ROWS`] rows) when full: at most ~25 % spare memory.
 pub struct MlaCache {
     /// `[capacity, width]`; rows past `rows` are unused.
     buf: Option<Array>,
