@@ -89,19 +89,22 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// 8 MXFP4 codes (4 packed bytes) times a decoded scale, to 8 bf16 packed in 4 u32.
+__device__ __forceinline__ void dequant8(u32 w, float sc, u32* o) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        u32 byte = (w >> (8 * b)) & 0xffu;
+        float lo = e2m1_f32(byte & 15u) * sc, hi = e2m1_f32(byte >> 4) * sc;
+        // exact in bf16: truncation keeps all bits
+        o[b] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
+    }
+}
+
 // 16 MXFP4 codes (8 packed bytes) times a scale, to 16 bf16 packed in 8 u32.
 __device__ __forceinline__ void dequant16(uint2 p, u8 s, u32* o) {
     float sc = e8m0_scale(s);
-    u32 w[2] = {p.x, p.y};
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            u32 byte = (w[q] >> (8 * b)) & 0xffu;
-            float lo = e2m1_f32(byte & 15u) * sc, hi = e2m1_f32(byte >> 4) * sc;
-            // exact in bf16: truncation keeps all bits
-            o[q * 4 + b] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
-        }
+    dequant8(p.x, sc, o);
+    dequant8(p.y, sc, o + 4);
 }
 
 __device__ __forceinline__ u32 smem_addr_u32(const void* p) {
@@ -276,3 +279,47 @@ extern "C" __global__ void __launch_bounds__(256, 2) expert_down_bf16##SUFFIX(co
 // Suffix-less kernels load fragments with ldmatrix; *_lds32 with 32-bit shared loads (first version).
 EXPERT_KERNELS(, true)
 EXPERT_KERNELS(_lds32, false)
+
+// ---------------------------------------------------------------------------------------------
+// Dense path for large row counts per expert: the MXFP4 weights of a group of experts are
+// dequantised to BF16 once (exactly: dequant16 above, the same decode as the register path) into
+// a scratch buffer, the per-expert GEMMs run on cuBLAS (bf16 in, f32 out), and SiTU-GLU turns the
+// f32 gate|up product into the bf16 intermediate.
+
+// Expert j of the launch (blockIdx.y) sits in arena slot s0 + j (at wbase + (s0 + j) * estride);
+// its [rows, K] matrix at (off_p, off_s) is written, exactly, as bf16 to dst + j * dst_estride
+// elements. `words` = rows * K / 8: each thread turns one packed u32 (8 codes; 4 words share an
+// E8M0 scale) into 16 output bytes, so loads and stores of a warp are contiguous. With `offsets`
+// non-null, an expert without routed rows (absolute id e0 + j) is skipped.
+extern "C" __global__ void expert_dequant_bf16(const u8* __restrict__ wbase, i64 estride, int s0, i64 off_p,
+        i64 off_s, i64 words, const int* __restrict__ offsets, int e0, bf16_t* __restrict__ dst, i64 dst_estride) {
+    int j = blockIdx.y;
+    if (offsets != 0 && offsets[e0 + j + 1] == offsets[e0 + j]) return;
+    const u8* eb = wbase + (i64)(s0 + j) * estride;
+    const u32* P = (const u32*)(eb + off_p);
+    const u8* S = eb + off_s;
+    uint4* D = (uint4*)(dst + (i64)j * dst_estride);
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < words; q += (i64)gridDim.x * blockDim.x) {
+        u32 o[4];
+        dequant8(P[q], e8m0_scale(S[q >> 2]), o);
+        D[q] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+// H[r, i] = bf16(situ(GU[r, i], GU[r, n + i])): GU is [rows, 2n] f32 (gate columns, then up
+// columns), H is [rows, n] bf16; n a multiple of 4. Same SiTU and rounding as the fused kernel.
+extern "C" __global__ void expert_situ_bf16(const float* __restrict__ gu, i64 rows, int n, bf16_t* __restrict__ h,
+                                            float b1, float b2) {
+    int n4 = n / 4;
+    i64 total = rows * n4;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / n4;
+        int c = (int)(i % n4) * 4;
+        const float* g = gu + r * 2 * n;
+        float4 a = *(const float4*)(g + c);
+        float4 u = *(const float4*)(g + n + c);
+        uint2 o = make_uint2(pack_bf16x2(situ_e(a.x, u.x, b1, b2), situ_e(a.y, u.y, b1, b2)),
+                             pack_bf16x2(situ_e(a.z, u.z, b1, b2), situ_e(a.w, u.w, b1, b2)));
+        *(uint2*)(h + r * n + c) = o;
+    }
+}

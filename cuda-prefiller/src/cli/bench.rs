@@ -97,6 +97,13 @@ pub struct Args {
     /// Kernel mode: timed repetitions (median reported).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Kernel mode: time only the routed experts (both BF16 paths).
+    #[arg(long)]
+    pub experts_only: bool,
+    /// Kernel mode: also time the dense expert path with these settings, `;`-separated
+    /// (each as `K3_MOE_DENSE`, e.g. `streams=8;streams=2,group_mib=2048`).
+    #[arg(long, value_delimiter = ';')]
+    pub moe_dense_configs: Vec<String>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -648,10 +655,9 @@ struct KernelRow {
     kda_tflops: f64,
     mla_ms: f64,
     mla_tflops: f64,
-    /// Routed-expert GEMMs (gate/up + SiTU, down) over min(tokens, 32768) tokens x 16 experts.
-    moe_tokens: usize,
-    moe_ms: f64,
-    moe_tflops: f64,
+    /// Routed-expert GEMMs (gate/up + SiTU, down) over `tokens` x 16 experts.
+    #[serde(flatten)]
+    moe: MoeTimes,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -668,10 +674,18 @@ fn kernels(args: &Args) -> Result<()> {
     let (dqk, dv) = (192usize, 128usize);
     let kd = KdaDims { heads: h, head_dim: d };
     let mut rows = Vec::new();
+    let moe_bench = MoeBench::new(&b)?;
     let rnd = |n: usize, seed: u64, lo: f32, hi: f32| -> Vec<f32> {
         (0..n).map(|i| lo + (hi - lo) * ((((i as u64) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32)).collect()
     };
     for &t in &args.tokens {
+        if args.experts_only {
+            let moe = moe_bench.time(&mut b, t, args.reps, &args.moe_dense_configs)?;
+            let r = KernelRow { tokens: t, kda_ms: f64::NAN, kda_tflops: f64::NAN, mla_ms: f64::NAN, mla_tflops: f64::NAN, moe };
+            println!("{}", serde_json::to_string(&r)?);
+            rows.push(r);
+            continue;
+        }
         // KDA, fp32
         let c = h * d;
         let mut q = b.upload(&rnd(t * c, 1, -1.0, 1.0), t, c)?;
@@ -744,57 +758,133 @@ fn kernels(args: &Args) -> Result<()> {
             first.get_or_insert(o);
         }
         drop((qf, kvf, kpe));
-        // routed experts at K3 widths, uniform routing, all 896 experts resident
-        let d3 = Dims::of(
-            &k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
-                .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
-                .text_config,
-        );
-        let lay = crate::cuda::backend::ExpertLayout::new(d3.inter, d3.latent)?;
-        let arena = g.alloc_sync(lay.stride * d3.experts)?;
-        unsafe {
-            crate::cuda::gpu::ck(cudarc::driver::sys::cuMemsetD8_v2(arena.ptr, 0x77, arena.bytes), "filling the expert arena")?;
-        }
-        let tm = t.min(32768);
-        let ids: Vec<i32> = (0..tm * d3.top_k).map(|i| (((i / d3.top_k) * 7919 + (i % d3.top_k) * 56) % d3.experts) as i32).collect();
-        let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
-        let w_d = b.upload_bytes(bytemuck::cast_slice(&vec![1.0f32 / d3.top_k as f32; tm * d3.top_k]))?;
-        let xl = b.upload(&rnd(tm * d3.latent, 9, -1.0, 1.0), tm, d3.latent)?;
-        let plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d3.top_k, d3.experts, &lay)?;
-        let mut moe_ms = f64::NAN;
-        for variant in ["_lds32", ""] {
-            b.moe_variant = variant;
-            let bv = &b;
-            let mut times = Vec::new();
-            for rep in 0..=args.reps {
-                let e0 = g.event()?;
-                let e1 = g.event()?;
-                e0.record(g.stream())?;
-                bv.moe_run_chunk(&plan, &lay, arena.ptr, 0, d3.experts, d3.betas, None)?;
-                e1.record(g.stream())?;
-                e1.sync()?;
-                if rep > 0 {
-                    times.push(e0.ms_to(&e1)? as f64);
-                }
-            }
-            let ms = median(times);
-            eprintln!("expert GEMMs{variant}: {ms:.1} ms at {tm} tokens");
-            moe_ms = ms;
-        }
-        let eflops = (tm * d3.top_k) as f64 * 3.0 * 2.0 * (d3.inter * d3.latent) as f64;
-        drop((plan, xl, arena));
+        let m = moe_bench.time(&mut b, t, args.reps, &args.moe_dense_configs)?;
         let r = KernelRow {
             tokens: t,
             kda_ms,
             kda_tflops: kflops / kda_ms / 1e9,
             mla_ms,
             mla_tflops: mflops / mla_ms / 1e9,
-            moe_tokens: tm,
-            moe_ms,
-            moe_tflops: eflops / moe_ms / 1e9,
+            moe: m,
         };
         println!("{}", serde_json::to_string(&r)?);
         rows.push(r);
     }
+    moe_table(rows.iter().map(|r| &r.moe));
     Ok(())
+}
+
+/// Routed-expert timings of one length: both BF16 paths on the same plan.
+#[derive(Serialize)]
+struct MoeTimes {
+    moe_tokens: usize,
+    moe_rows_per_expert: f64,
+    /// The path `--backend cuda` takes at this length (`K3_MOE_PATH=auto`).
+    moe_path: &'static str,
+    moe_ms: f64,
+    moe_tflops: f64,
+    moe_mma_ms: f64,
+    moe_mma_tflops: f64,
+    moe_dense_ms: f64,
+    moe_dense_tflops: f64,
+}
+
+/// The routed experts of one K3 layer (896 MXFP4 experts of 3072 x 3584, top-16), all resident.
+struct MoeBench {
+    d: Dims,
+    lay: crate::cuda::backend::ExpertLayout,
+    arena: crate::cuda::DevMem,
+}
+
+impl MoeBench {
+    fn new(b: &CudaBackend) -> Result<Self> {
+        let d = Dims::of(
+            &k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
+                .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
+                .text_config,
+        );
+        let lay = crate::cuda::backend::ExpertLayout::new(d.inter, d.latent)?;
+        let arena = b.gpu.alloc_sync(lay.stride * d.experts)?;
+        // every code 7 (6.0), every scale 2^-8
+        unsafe {
+            crate::cuda::gpu::ck(cudarc::driver::sys::cuMemsetD8_v2(arena.ptr, 0x77, arena.bytes), "filling the expert arena")?;
+        }
+        Ok(MoeBench { d, lay, arena })
+    }
+
+    /// Both expert GEMMs (gate/up + SiTU, down; not the gather and combine) over `t` tokens with
+    /// uniform routing, on the mma.sync kernel and on the dense path (median of `reps`).
+    fn time(&self, b: &mut CudaBackend, t: usize, reps: usize, dense_configs: &[String]) -> Result<MoeTimes> {
+        let (d, g) = (&self.d, b.gpu.clone());
+        let ids: Vec<i32> = (0..t * d.top_k).map(|i| (((i / d.top_k) * 7919 + (i % d.top_k) * 56) % d.experts) as i32).collect();
+        let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
+        let w_d = b.upload_bytes(bytemuck::cast_slice(&vec![1.0f32 / d.top_k as f32; t * d.top_k]))?;
+        let x: Vec<f32> = (0..t * d.latent).map(|i| ((((i as u64) ^ 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32) - 1.0).collect();
+        let xl = b.upload(&x, t, d.latent)?;
+        drop(x);
+        let saved = b.moe_path;
+        b.moe_path = crate::cuda::moe_dense::MoePath::Auto;
+        let mut plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d.top_k, d.experts, &self.lay)?;
+        b.moe_path = saved;
+        drop(xl);
+        let auto_dense = plan.dense;
+        let eflops = (t * d.top_k) as f64 * 3.0 * 2.0 * (d.inter * d.latent) as f64;
+        // GPU time from events; the host's enqueue time is logged (a path bound by launches
+        // shows GPU time ~ enqueue time)
+        let timed = |b: &CudaBackend, plan: &crate::cuda::backend::MoePlan| -> Result<(f64, f64)> {
+            let (mut times, mut host) = (Vec::new(), Vec::new());
+            for rep in 0..=reps {
+                let e0 = g.event()?;
+                let e1 = g.event()?;
+                e0.record(g.stream())?;
+                let h0 = Instant::now();
+                b.moe_run_chunk(plan, &self.lay, self.arena.ptr, 0, d.experts, d.betas, None)?;
+                host.push(h0.elapsed().as_secs_f64() * 1e3);
+                e1.record(g.stream())?;
+                e1.sync()?;
+                if rep > 0 {
+                    times.push(e0.ms_to(&e1)? as f64);
+                }
+            }
+            Ok((median(times), median(host)))
+        };
+        let mut ms = [f64::NAN; 2];
+        for (i, dense) in [false, true].into_iter().enumerate() {
+            b.moe_set_dense(&mut plan, dense)?;
+            let (m, host) = timed(b, &plan)?;
+            ms[i] = m;
+            let what = if dense { "dense (bf16 dequant + cuBLAS)" } else { "mma.sync" };
+            eprintln!("routed experts, {what}: {m:.1} ms, {:.0} TFLOP/s at {t} tokens (host enqueue {host:.1} ms)", eflops / m / 1e9);
+        }
+        let saved = b.moe_dense;
+        for c in dense_configs {
+            b.moe_dense = crate::cuda::moe_dense::MoeDenseCfg::parse(c, saved)?;
+            let (m, host) = timed(b, &plan)?;
+            eprintln!("routed experts, dense {c}: {m:.1} ms, {:.0} TFLOP/s at {t} tokens (host enqueue {host:.1} ms)", eflops / m / 1e9);
+        }
+        b.moe_dense = saved;
+        let pick = if auto_dense { ms[1] } else { ms[0] };
+        Ok(MoeTimes {
+            moe_tokens: t,
+            moe_rows_per_expert: (t * d.top_k) as f64 / d.experts as f64,
+            moe_path: if auto_dense { "dense" } else { "mma" },
+            moe_ms: pick,
+            moe_tflops: eflops / pick / 1e9,
+            moe_mma_ms: ms[0],
+            moe_mma_tflops: eflops / ms[0] / 1e9,
+            moe_dense_ms: ms[1],
+            moe_dense_tflops: eflops / ms[1] / 1e9,
+        })
+    }
+}
+
+fn moe_table<'a>(rows: impl Iterator<Item = &'a MoeTimes>) {
+    println!("\nrouted experts (896 x MXFP4 3072x3584, top-16, bf16; gate/up + SiTU + down):");
+    println!("{:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}", "tokens", "rows/expert", "mma ms", "TFLOP/s", "dense ms", "TFLOP/s", "auto");
+    for m in rows {
+        println!(
+            "{:>8} {:>12.0} {:>10.1} {:>10.0} {:>10.1} {:>10.0} {:>6}",
+            m.moe_tokens, m.moe_rows_per_expert, m.moe_mma_ms, m.moe_mma_tflops, m.moe_dense_ms, m.moe_dense_tflops, m.moe_path
+        );
+    }
 }

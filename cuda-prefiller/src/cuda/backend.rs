@@ -5,10 +5,12 @@
 //!   f32 attention and expert GEMMs. Meant to match the fp32 golden sets.
 //! - [`Precision::Bf16`] (serving): BF16 weights stay BF16, GEMM operands BF16 with f32
 //!   accumulation (cuBLAS, tensor cores), the routed experts dequantised from MXFP4 to BF16 in
-//!   registers (mma.sync), BF16 flash attention; norms, gates, softmax, the router and the whole
-//!   KDA recurrence stay f32, and values are rounded to BF16 where the reference casts them.
+//!   registers (mma.sync) for short prompts, or per expert group into a BF16 scratch for
+//!   cuBLAS when the rows per expert are many ([`super::moe_dense`]), BF16 flash attention;
+//!   norms, gates, softmax, the router and the whole KDA recurrence stay f32, and values are
+//!   rounded to BF16 where the reference casts them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::sys::CUdeviceptr;
@@ -17,6 +19,7 @@ use k3_protocol::tensors::DType;
 use super::blas::{Blas, GemmType};
 use super::gpu::{DevMem, Gpu};
 use super::kernels as k;
+use super::moe_dense::{self, MoeDenseCfg, MoePath};
 use crate::backend::{
     Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
@@ -178,6 +181,10 @@ pub struct MoePlan {
     pub hg: DevMem,
     pub yg: DevMem,
     pub weights: DevMem,
+    /// Runs on the dense path (BF16 dequantisation + cuBLAS) instead of the mma.sync kernel.
+    pub dense: bool,
+    /// Host copy of `offsets` (the dense path sizes its GEMMs from it).
+    pub host_offsets: Option<Vec<i32>>,
 }
 
 /// Which parts of the computation run in BF16 ([`Precision::Bf16`] turns all on; the
@@ -226,6 +233,11 @@ pub struct CudaBackend {
     /// Kernel-name suffix of the BF16 expert GEMMs: `""` (ldmatrix fragments, default) or
     /// `"_lds32"` (the first version, 32-bit shared loads); `K3_MOE_KERNEL=lds32` selects it.
     pub moe_variant: &'static str,
+    /// BF16 expert path: `K3_MOE_PATH=auto|mma|dense` (default auto: by rows per expert).
+    pub moe_path: MoePath,
+    /// Sizes of the dense expert path (`K3_MOE_DENSE=streams=4,group_mib=1024,...`).
+    pub moe_dense: MoeDenseCfg,
+    moe_workers: Mutex<Option<Arc<moe_dense::Workers>>>,
     /// BF16 MLA attention kernel (`Auto`: wgmma on sm_90, mma.sync elsewhere; `K3_MLA_KERNEL`).
     pub mla_kernel: k::MlaKernel,
 }
@@ -248,7 +260,15 @@ impl CudaBackend {
         let gpu = Gpu::open()?;
         let blas = Blas::new(gpu.stream())?;
         let moe_variant = if std::env::var("K3_MOE_KERNEL").as_deref() == Ok("lds32") { "_lds32" } else { "" };
-        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant, mla_kernel: k::MlaKernel::from_env()? })
+        let moe_path = match std::env::var("K3_MOE_PATH") {
+            Ok(s) => s.parse()?,
+            Err(_) => MoePath::Auto,
+        };
+        let moe_dense = match std::env::var("K3_MOE_DENSE") {
+            Ok(s) => MoeDenseCfg::parse(&s, MoeDenseCfg::default())?,
+            Err(_) => MoeDenseCfg::default(),
+        };
+        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant, moe_path, moe_dense, moe_workers: Mutex::new(None), mla_kernel: k::MlaKernel::from_env()? })
     }
 
     /// BF16 experts (mma kernel, bf16 grouped activations).
@@ -309,7 +329,48 @@ impl CudaBackend {
         let xg = g.alloc(n * layout.latent * esz)?;
         let hg = g.alloc(n * layout.inter * esz)?;
         let yg = g.alloc(n * layout.latent * 4)?;
-        Ok(MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, yg, weights })
+        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, yg, weights, dense: false, host_offsets: None };
+        let dense = self.bf16()
+            && match self.moe_path {
+                MoePath::Mma => false,
+                MoePath::Dense => true,
+                MoePath::Auto => n >= self.moe_dense.min_rows * e,
+            };
+        self.moe_set_dense(&mut plan, dense)?;
+        Ok(plan)
+    }
+
+    /// Switches a plan between the mma.sync kernel and the dense path (BF16 mode only; the
+    /// dense path needs the expert offsets on the host: one device-to-host copy).
+    pub fn moe_set_dense(&self, plan: &mut MoePlan, dense: bool) -> Result<()> {
+        ensure!(!dense || self.bf16(), "the dense expert path is BF16 only");
+        ensure!(!dense || plan.bm == k::BF16_BM, "plan grouped for the f32 kernel");
+        if dense && plan.host_offsets.is_none() {
+            let mut v = vec![0i32; plan.e + 1];
+            self.gpu.dtoh(&mut v, plan.offsets.ptr)?;
+            plan.host_offsets = Some(v);
+        }
+        plan.dense = dense;
+        Ok(())
+    }
+
+    /// The dense path's worker streams and cuBLAS handles (created on first use).
+    pub fn moe_workers(&self) -> Result<Arc<moe_dense::Workers>> {
+        let mut w = self.moe_workers.lock().map_err(|_| anyhow!("expert worker table poisoned"))?;
+        if w.as_ref().is_none_or(|x| x.len() != self.moe_dense.streams.max(1)) {
+            *w = Some(Arc::new(moe_dense::Workers::new(&self.gpu, self.moe_dense.streams)?));
+        }
+        Ok(w.as_ref().expect("set above").clone())
+    }
+
+    /// Exact BF16 copy of experts `lo..hi` (per expert `[W1; W3]` then `W2`, row-major), as the
+    /// dense path multiplies them.
+    pub fn moe_dequant_bf16(&self, experts: &CudaExperts, lo: usize, hi: usize) -> Result<DevMem> {
+        ensure!(lo < hi && hi <= experts.n, "dequant: experts {lo}..{hi} of {}", experts.n);
+        let l = &experts.layout;
+        let dst = self.gpu.alloc((hi - lo) * moe_dense::bf16_elems(l) * 2)?;
+        moe_dense::dequant(&self.gpu, self.gpu.stream(), l, experts.arena.ptr, lo, hi - lo, 0, lo, dst.ptr)?;
+        Ok(dst)
     }
 
     /// Gathers `x_lat` rows into the plan's grouped input buffer.
@@ -329,6 +390,9 @@ impl CudaBackend {
         betas: SituBetas,
         stream: Option<cudarc::driver::sys::CUstream>,
     ) -> Result<()> {
+        if plan.dense {
+            return moe_dense::run(self, plan, layout, wbase, e_lo, e_hi, betas, stream);
+        }
         let b2 = betas.linear_beta.unwrap_or(0.0);
         let bf = self.bf16();
         k::expert_gemm(

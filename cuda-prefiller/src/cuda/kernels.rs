@@ -598,3 +598,53 @@ pub fn expert_gemm(
         gpu.launch_on(stream, f, (blocks(n, 128)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
     }
 }
+
+/// Exact BF16 copy of one MXFP4 matrix (`rows` x `k`, at `m` in each slot) of `n_experts`
+/// consecutive arena slots from `s0`, to `dst + j * dst_estride` elements for slot `s0 + j`.
+/// `offsets` (device, absolute expert ids from `e0`) skips experts without rows; 0 = none.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_dequant_bf16(
+    gpu: &Gpu,
+    stream: CUstream,
+    wbase: P,
+    estride: usize,
+    s0: usize,
+    m: MatOff,
+    rows: usize,
+    k: usize,
+    offsets: P,
+    e0: usize,
+    n_experts: usize,
+    dst: P,
+    dst_estride: usize,
+) -> Result<()> {
+    if k % 32 != 0 || m.packed % 16 != 0 || estride % 16 != 0 || dst_estride % 8 != 0 {
+        bail!("expert dequant: width {k}, packed offset {}, strides {estride}/{dst_estride} are not aligned", m.packed);
+    }
+    let words = rows * k / 8;
+    let f = gpu.func("moe_gemm", &[], "expert_dequant_bf16")?;
+    let mut a = KArgs::new()
+        .arg(wbase)
+        .arg(estride as i64)
+        .arg(s0 as i32)
+        .arg(m.packed as i64)
+        .arg(m.scale as i64)
+        .arg(words as i64)
+        .arg(offsets)
+        .arg(e0 as i32)
+        .arg(dst)
+        .arg(dst_estride as i64);
+    let gx = words.div_ceil(256).clamp(1, 1 << 16) as u32;
+    gpu.launch_on(stream, f, (gx, n_experts as u32, 1), (256, 1, 1), 0, &mut a, "expert_dequant_bf16")
+}
+
+/// `h[rows, n]` (bf16) = SiTU-GLU of `gu[rows, 2n]` (f32, gate | up).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_situ_bf16(gpu: &Gpu, stream: CUstream, gu: P, rows: usize, n: usize, h: P, b1: f32, b2: f32) -> Result<()> {
+    if n % 4 != 0 {
+        bail!("expert SiTU: width {n} is not a multiple of 4");
+    }
+    let f = gpu.func("moe_gemm", &[], "expert_situ_bf16")?;
+    let mut a = KArgs::new().arg(gu).arg(rows as i64).arg(n as i32).arg(h).arg(b1).arg(b2);
+    gpu.launch_on(stream, f, grid1(gpu, rows * n / 4), (256, 1, 1), 0, &mut a, "expert_situ_bf16")
+}

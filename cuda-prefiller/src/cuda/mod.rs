@@ -10,6 +10,7 @@ pub mod backend;
 pub mod blas;
 pub mod gpu;
 pub mod kernels;
+pub mod moe_dense;
 pub mod nvrtc;
 pub mod synth_layer;
 

@@ -1,0 +1,245 @@
+//! The routed experts on cuBLAS for long prompts ("dense path").
+//!
+//! With many rows per expert the register-dequant mma.sync kernel (`kernels/moe_gemm.cu`) is
+//! limited by its tensor-core rate; here a group of experts' MXFP4 weights is dequantised once,
+//! exactly, to BF16 in a bounded scratch (two buffers: the next group is dequantised while the
+//! current one multiplies), and each expert's gate|up and down projections run as cuBLAS GEMMs
+//! (bf16 operands, f32 accumulation) spread over a few worker streams, with the fused SiTU-GLU
+//! in between. Rows of one expert are taken in slices of at most `slice_rows`, so the f32
+//! gate|up scratch stays bounded whatever the routing.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::sys::{self, CUdeviceptr, CUstream};
+
+use super::backend::{CudaBackend, ExpertLayout, MoePlan};
+use super::blas::{Blas, GemmType};
+use super::gpu::{ck, DevMem, Event, Gpu};
+use super::kernels as k;
+use crate::backend::SituBetas;
+
+/// Which expert implementation runs in BF16 mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoePath {
+    /// The dense path when the average rows per expert reach [`MoeDenseCfg::min_rows`].
+    Auto,
+    /// Always the register-dequant mma.sync kernel.
+    Mma,
+    /// Always the dense path (dequantise to BF16 + cuBLAS).
+    Dense,
+}
+
+impl std::str::FromStr for MoePath {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(MoePath::Auto),
+            "mma" => Ok(MoePath::Mma),
+            "dense" | "cublas" => Ok(MoePath::Dense),
+            _ => Err(anyhow!("unknown expert path {s:?} (auto, mma, dense)")),
+        }
+    }
+}
+
+/// Sizes of the dense path.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeDenseCfg {
+    /// [`MoePath::Auto`] takes the dense path from this many routed rows per expert (average).
+    pub min_rows: usize,
+    /// Bytes of the two BF16 weight buffers together (sets the experts per group).
+    pub weight_bytes: usize,
+    /// Most rows of one expert per GEMM (bounds the f32 gate|up scratch of each worker).
+    pub slice_rows: usize,
+    /// Worker streams (each with its own cuBLAS handle).
+    pub streams: usize,
+}
+
+impl Default for MoeDenseCfg {
+    fn default() -> Self {
+        MoeDenseCfg { min_rows: DENSE_MIN_ROWS, weight_bytes: 1 << 30, slice_rows: 8192, streams: 4 }
+    }
+}
+
+impl MoeDenseCfg {
+    /// Overrides from `streams=4,group_mib=1024,slice=8192,min_rows=128` (any subset; the
+    /// environment variable `K3_MOE_DENSE` of the backend and `bench --moe-dense-configs`).
+    pub fn parse(s: &str, base: MoeDenseCfg) -> Result<Self> {
+        let mut c = base;
+        for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| anyhow!("dense expert setting {kv:?} is not key=value"))?;
+            let v: usize = v.trim().parse().map_err(|_| anyhow!("dense expert setting {kv:?}: {v:?} is not a number"))?;
+            ensure!(v > 0, "dense expert setting {kv:?} must be positive");
+            match k.trim() {
+                "streams" => c.streams = v.min(32),
+                "group_mib" => c.weight_bytes = v << 20,
+                "slice" => c.slice_rows = v,
+                "min_rows" => c.min_rows = v,
+                _ => return Err(anyhow!("unknown dense expert setting {k:?} (streams, group_mib, slice, min_rows)")),
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// Average routed rows per expert from which [`MoePath::Auto`] takes the dense path.
+pub const DENSE_MIN_ROWS: usize = 128;
+
+/// Worker streams and their cuBLAS handles (created on first use, kept by the backend).
+pub struct Workers {
+    blas: Vec<Blas>,
+    streams: Vec<CUstream>,
+}
+// SAFETY: stream handles are driver objects usable from any thread once the context is bound.
+unsafe impl Send for Workers {}
+unsafe impl Sync for Workers {}
+
+impl Workers {
+    pub fn new(gpu: &Gpu, n: usize) -> Result<Self> {
+        gpu.bind()?;
+        let mut streams = Vec::new();
+        let mut blas = Vec::new();
+        for _ in 0..n.max(1) {
+            let mut s = std::ptr::null_mut();
+            // SAFETY: the context is bound to this thread.
+            unsafe { ck(sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "creating an expert worker stream")? };
+            streams.push(s);
+            blas.push(Blas::new(s)?);
+        }
+        Ok(Workers { blas, streams })
+    }
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.blas.clear();
+        for &s in &self.streams {
+            // SAFETY: streams created in `new`, destroyed once.
+            unsafe {
+                let _ = sys::cuStreamDestroy_v2(s);
+            }
+        }
+    }
+}
+
+/// Elements of one expert's BF16 copy: `[W1; W3]` (`[2·inter, latent]`) then `W2` (`[latent, inter]`).
+pub fn bf16_elems(layout: &ExpertLayout) -> usize {
+    3 * layout.inter * layout.latent
+}
+
+/// Dequantises experts `s0..s0+n` of an arena (slot 0 at `wbase`) into `dst` (one
+/// [`bf16_elems`] block per expert) on `stream`; `offsets` (device, or 0) skips experts without
+/// rows, `e0` is the absolute id of slot `s0`.
+#[allow(clippy::too_many_arguments)]
+pub fn dequant(gpu: &Gpu, stream: CUstream, layout: &ExpertLayout, wbase: CUdeviceptr, s0: usize, n: usize, offsets: CUdeviceptr, e0: usize, dst: CUdeviceptr) -> Result<()> {
+    let (i, l) = (layout.inter, layout.latent);
+    let per = bf16_elems(layout);
+    for (m, rows, kk, at) in [(layout.w1, i, l, 0), (layout.w3, i, l, i * l), (layout.w2, l, i, 2 * i * l)] {
+        k::expert_dequant_bf16(gpu, stream, wbase, layout.stride, s0, m, rows, kk, offsets, e0, n, dst + (at * 2) as u64, per)?;
+    }
+    Ok(())
+}
+
+/// Both expert GEMMs of experts `e_lo..e_hi` (slot 0 at `wbase` = expert `e_lo`) on the dense
+/// path, ordered after earlier work of `stream` and before later work of it.
+#[allow(clippy::too_many_arguments)]
+pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+    let offs = plan.host_offsets.as_ref().ok_or_else(|| anyhow!("dense expert path: the plan holds no host copy of the expert offsets"))?;
+    ensure!(e_hi <= plan.e && offs.len() == plan.e + 1, "dense expert path: experts {e_lo}..{e_hi} of a {}-expert plan", plan.e);
+    let rows_of = |e: usize| (offs[e + 1] - offs[e]).max(0) as usize;
+    let max_rows = (e_lo..e_hi).map(rows_of).max().unwrap_or(0);
+    if max_rows == 0 {
+        return Ok(());
+    }
+    let g = &b.gpu;
+    let cfg = b.moe_dense;
+    let workers = b.moe_workers()?;
+    let nw = workers.len();
+    let s = stream.unwrap_or(g.stream());
+    let (inter, lat) = (layout.inter, layout.latent);
+    let per = bf16_elems(layout);
+    let gsize = (cfg.weight_bytes / 2 / (per * 2)).clamp(1, e_hi - e_lo);
+    // groups: consecutive slot ranges of gsize experts holding at least one routed row
+    let groups: Vec<(usize, usize)> = (e_lo..e_hi)
+        .step_by(gsize)
+        .map(|a| (a, (a + gsize).min(e_hi)))
+        .filter(|&(a, z)| (a..z).any(|e| rows_of(e) > 0))
+        .collect();
+    let slice = cfg.slice_rows.max(1).min(max_rows);
+    let b2 = betas.linear_beta.unwrap_or(0.0);
+    // scratch, stream-ordered on the compute stream (freed there after the join below)
+    let wbuf: Vec<DevMem> = (0..groups.len().min(2)).map(|_| g.alloc(gsize * per * 2)).collect::<Result<_>>()?;
+    let gu: Vec<DevMem> = (0..nw).map(|_| g.alloc(slice * 2 * inter * 4)).collect::<Result<_>>()?;
+    if s != g.stream() {
+        let e = g.event()?;
+        e.record(g.stream())?;
+        e.wait_on(s)?;
+    }
+    let mut done: Vec<Vec<Event>> = Vec::new();
+    let mut load = vec![0usize; nw];
+    for (gi, &(a, z)) in groups.iter().enumerate() {
+        let buf = &wbuf[gi % 2];
+        if gi >= 2 {
+            // the buffer was last read by group gi - 2
+            for ev in &done[gi - 2] {
+                ev.wait_on(s)?;
+            }
+        }
+        dequant(g, s, layout, wbase, a - e_lo, z - a, plan.offsets.ptr, a, buf.ptr)?;
+        let ready = g.event()?;
+        ready.record(s)?;
+        for &ws in &workers.streams {
+            ready.wait_on(ws)?;
+        }
+        #[allow(clippy::needless_range_loop)]
+        for e in a..z {
+            let rows = rows_of(e);
+            if rows == 0 {
+                continue;
+            }
+            let w = (0..nw).min_by_key(|&w| load[w]).unwrap_or(0);
+            load[w] += rows;
+            let (ws, blas) = (workers.streams[w], &workers.blas[w]);
+            let wgu = buf.ptr + ((e - a) * per * 2) as u64;
+            let wd = wgu + (2 * inter * lat * 2) as u64;
+            let mut r0 = 0;
+            while r0 < rows {
+                let n = slice.min(rows - r0);
+                let row = offs[e] as usize + r0;
+                let hrow = plan.hg.ptr + (row * inter * 2) as u64;
+                blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[w].ptr, 2 * inter, n, 2 * inter, lat)?;
+                k::expert_situ_bf16(g, ws, gu[w].ptr, n, inter, hrow, betas.beta, b2)?;
+                blas.gemm(GemmType::Bf16, hrow, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
+                r0 += n;
+            }
+        }
+        let evs = workers
+            .streams
+            .iter()
+            .map(|&ws| {
+                let e = g.event()?;
+                e.record(ws)?;
+                Ok(e)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        done.push(evs);
+    }
+    // join: each worker stream is in order, so its last event covers all its work
+    if let Some(last) = done.last() {
+        for ev in last {
+            ev.wait_on(s)?;
+        }
+    }
+    if s != g.stream() {
+        let e = g.event()?;
+        e.record(s)?;
+        e.wait_on(g.stream())?;
+    }
+    drop((wbuf, gu));
+    Ok(())
+}
