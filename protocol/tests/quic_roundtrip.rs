@@ -169,3 +169,28 @@ async fn a_layout_other_than_expected_is_refused_by_the_decoder() {
         Ok(_) => panic!("accepted a different layout"),
     }
 }
+
+/// The decoder's `Received` can arrive before the sender starts waiting for it (the sender
+/// is descheduled right after writing `Done`; seen as 1–3 % of transfers under load). It must
+/// count: the transfer ends at once, not at the stall limit (5 s in these tests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmation_that_arrives_early_is_not_lost() {
+    init_tracing();
+    let (scfg, ccfg) = paired();
+    let hooks = k3_protocol::transport::hooks::FaultHooks { pause_after_done: Some(std::time::Duration::from_millis(300)), ..Default::default() };
+    let (addr, _server, srv) = spawn_server(with_hooks(scfg, hooks), Behaviour::Serve { seed: 5 }).await;
+    let mut client = PrefillClient::connect(addr, ccfg).await.unwrap();
+    for _ in 0..2 {
+        let layout = small_layout(200);
+        let t = client.prefill(request(200, 2, 8192), &layout).await.unwrap();
+        let (got, _) = t.collect().await.unwrap();
+        assert_eq!(got, state_of(&layout, 5));
+    }
+    client.close().await;
+    let results = tokio::time::timeout(std::time::Duration::from_secs(4), srv).await.expect("the sender waited for a confirmation it already had").unwrap();
+    assert_eq!(results.len(), 2);
+    for r in results {
+        let t = r.expect("transfer confirmed");
+        assert!(t.total_s < 2.0, "sender took {:.2} s", t.total_s);
+    }
+}

@@ -20,6 +20,9 @@ pub struct FaultHooks {
     pub oversize_chunk: Option<u64>,
     /// Sender: close the whole connection when this chunk is due.
     pub close_at_chunk: Option<u64>,
+    /// Sender: after writing `Done`, wait this long before waiting for the decoder's
+    /// confirmation (so that the confirmation arrives first).
+    pub pause_after_done: Option<std::time::Duration>,
     /// Receiver: stop reading data streams after this many chunks (the connection stays up).
     pub stop_reading_after: Option<u64>,
     /// Client: send these bytes on the request stream instead of the encoded request.

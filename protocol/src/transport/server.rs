@@ -410,6 +410,12 @@ pub(crate) struct Shared {
     /// Payload bytes handed to quinn.
     written: std::sync::atomic::AtomicU64,
     /// The decoder confirmed the whole state (`Received`).
+    ///
+    /// `stop` and `received` are set with `send_replace`: these channels often have no receiver
+    /// at the moment they are set (their first receiver is dropped at creation; `finish`
+    /// subscribes only after writing `Done`), and `watch::Sender::send` then drops the value —
+    /// a `Received` that arrived in that window used to be lost, and `finish` waited for the
+    /// stall limit although the decoder had confirmed.
     received: watch::Sender<bool>,
 }
 
@@ -423,7 +429,7 @@ impl Shared {
                 *g = Some(e);
             }
         }
-        let _ = self.stop.send(true);
+        let _ = self.stop.send_replace(true);
     }
     fn error(&self) -> Option<TransferError> {
         self.first.lock().ok().and_then(|g| g.clone())
@@ -531,7 +537,7 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
 async fn watch_client(mut fr: FramedRecv, shared: Arc<Shared>, peer: SocketAddr, id: u64) {
     match fr.next_message().await {
         Ok(Some(Message::Received { request })) if request == id => {
-            let _ = shared.received.send(true);
+            let _ = shared.received.send_replace(true);
         }
         Ok(Some(Message::Abort(e))) => {
             tracing::info!(%peer, request = id, "decoder cancelled: {:?}: {}", e.code, e.message);
@@ -595,7 +601,7 @@ impl Drop for LayerSender {
             h.abort();
         }
         // Unfinished: tell the writers to reset their streams.
-        let _ = self.shared.stop.send(true);
+        let _ = self.shared.stop.send_replace(true);
     }
 }
 
@@ -784,6 +790,9 @@ impl LayerSender {
             let mut s = self.ctrl.lock().await;
             write_message(&mut s, self.peer, &Message::Done(done)).await?;
             let _ = s.finish();
+        }
+        if let Some(d) = self.hooks.pause_after_done {
+            tokio::time::sleep(d).await;
         }
         // The decoder verifies everything, then confirms (or aborts, naming the fault).
         let mut received = self.shared.received.subscribe();
