@@ -100,8 +100,10 @@ extern "C" __global__ void mla_pack_vt(const float* __restrict__ kv, i64 kvs, bf
 }
 
 // ------------------------------------------------------------------------------------------
-// bf16 flash attention, mma.sync m16n8k16, f32 accumulate and f32 online softmax.
-// Block: 128 query rows (8 warps x 16), key tiles of 64 double-buffered with cp.async.
+// bf16 flash attention, mma.sync m16n8k16, f32 accumulate and f32 online softmax (every architecture;
+// on sm_90 the backend runs mla_attn_sm90.cu instead).
+// Block: 128 query rows (8 warps x 16), key tiles of 64 double-buffered with cp.async; K and V
+// fragments by ldmatrix; p = 2^(s*scale*log2e - m*scale*log2e) as one FFMA + one EX2.
 // Queries are rows 0..Tq of Qb at absolute positions pos0..pos0+Tq; keys 0..pos0+Tq of Kb/Vb.
 // Grid: (ceil(Tq/128), H).
 #define FA_BQ 128

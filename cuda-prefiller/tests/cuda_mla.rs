@@ -7,7 +7,7 @@ use std::borrow::Cow;
 
 use cuda_prefiller::backend::{Backend, HostTensor, MlaDims, MlaForm};
 use cuda_prefiller::cpu::CpuBackend;
-use cuda_prefiller::cuda::kernels::MlaKernel;
+use cuda_prefiller::cuda::kernels::{MlaKernel, MLA_SM90_VARIANTS};
 use cuda_prefiller::cuda::{CudaBackend, Precision};
 use cuda_util::*;
 use k3_protocol::tensors::DType;
@@ -67,17 +67,19 @@ fn cuda_mla_attention_wgmma_matches_cpu_bf16() {
         eprintln!("SKIPPED: the wgmma kernel is sm_90 only (device is sm_{}{})", gpu.gpu.cc.0, gpu.gpu.cc.1);
         return;
     }
-    gpu.mla_kernel = MlaKernel::Wgmma; // an error (not a fallback) if it does not apply
     let k3 = MlaDims { heads: 4, nope: 128, rope: 64, v: 128, kv_lora: 512 };
     let qk128 = MlaDims { heads: 3, nope: 64, rope: 64, v: 128, kv_lora: 256 };
     let two = MlaDims { heads: 2, ..k3 };
-    // several query blocks and key tiles, T not a multiple of the tile, split prefill (pos0 > 0
-    // and not a multiple of the tile), a single row, another q/k width
-    for (dm, tq, pos0, seed) in
-        [(k3, 300usize, 0usize, 11u64), (k3, 77, 190, 12), (k3, 260, 131, 13), (k3, 1, 40, 14), (k3, 128, 0, 15), (qk128, 200, 57, 16), (two, 1100, 0, 17)]
-    {
-        let want = run(&CpuBackend, dm, tq, pos0, seed);
-        let got = run(&gpu, dm, tq, pos0, seed);
-        assert_rel(&format!("wgmma mla_attention qk={} heads={} tq={tq} pos0={pos0}", dm.qk(), dm.heads), &got, &want, 2e-2);
+    for var in MLA_SM90_VARIANTS {
+        gpu.mla_kernel = MlaKernel::Wgmma(var); // an error (not a fallback) if it does not apply
+        // several query blocks and key tiles, T not a multiple of the tiles, split prefill (pos0 > 0
+        // and not a multiple of the tiles), a single row, another q/k width
+        for (dm, tq, pos0, seed) in
+            [(k3, 300usize, 0usize, 11u64), (k3, 77, 190, 12), (k3, 260, 131, 13), (k3, 1, 40, 14), (k3, 128, 0, 15), (qk128, 200, 57, 16), (two, 1100, 0, 17)]
+        {
+            let want = run(&CpuBackend, dm, tq, pos0, seed);
+            let got = run(&gpu, dm, tq, pos0, seed);
+            assert_rel(&format!("{} mla_attention qk={} heads={} tq={tq} pos0={pos0}", var.name, dm.qk(), dm.heads), &got, &want, 2e-2);
+        }
     }
 }

@@ -304,16 +304,16 @@ pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usiz
     gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_bf16")
 }
 
-/// Which BF16 MLA attention kernel runs. `Auto`: the wgmma kernel where it applies (sm_90, v width
-/// 128, q/k width a multiple of 64), else the mma.sync one. `K3_MLA_KERNEL=mma|wgmma|auto` sets the
-/// backend's choice (diagnostic).
+/// Which BF16 MLA attention kernel runs. `Auto`: the wgmma kernel (default configuration) where it
+/// applies (sm_90, v width 128, q/k width a multiple of 64), else the mma.sync one.
+/// `K3_MLA_KERNEL=mma|wgmma|wgmma:<entry point>|auto` sets the backend's choice (diagnostic).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MlaKernel {
     Auto,
     /// `mla_attn_bf16` (mma.sync m16n8k16): every architecture.
     MmaSync,
-    /// `mla_attn_sm90` (wgmma): Hopper only.
-    Wgmma,
+    /// `kernels/mla_attn_sm90.cu` (wgmma) in one of `MLA_SM90_VARIANTS`: Hopper only.
+    Wgmma(Sm90Variant),
 }
 
 impl MlaKernel {
@@ -321,8 +321,14 @@ impl MlaKernel {
         match std::env::var("K3_MLA_KERNEL").as_deref() {
             Err(_) | Ok("") | Ok("auto") => Ok(MlaKernel::Auto),
             Ok("mma") => Ok(MlaKernel::MmaSync),
-            Ok("wgmma") => Ok(MlaKernel::Wgmma),
-            Ok(other) => bail!("K3_MLA_KERNEL={other:?}: expected mma, wgmma or auto"),
+            Ok("wgmma") => Ok(MlaKernel::Wgmma(MLA_SM90_VARIANTS[0])),
+            Ok(other) => match other.strip_prefix("wgmma:").and_then(|n| MLA_SM90_VARIANTS.iter().find(|v| v.name == n)) {
+                Some(v) => Ok(MlaKernel::Wgmma(*v)),
+                None => bail!(
+                    "K3_MLA_KERNEL={other:?}: expected mma, wgmma, auto or wgmma:<{}>",
+                    MLA_SM90_VARIANTS.iter().map(|v| v.name).collect::<Vec<_>>().join("|")
+                ),
+            },
         }
     }
 
@@ -330,8 +336,8 @@ impl MlaKernel {
     pub fn resolve(self, gpu: &Gpu, dqk: usize, dv: usize) -> Result<MlaKernel> {
         let wg = mla_sm90_supported(gpu, dqk, dv);
         match self {
-            MlaKernel::Auto => Ok(if wg { MlaKernel::Wgmma } else { MlaKernel::MmaSync }),
-            MlaKernel::Wgmma if !wg => bail!(
+            MlaKernel::Auto => Ok(if wg { MlaKernel::Wgmma(MLA_SM90_VARIANTS[0]) } else { MlaKernel::MmaSync }),
+            MlaKernel::Wgmma(_) if !wg => bail!(
                 "the wgmma MLA kernel needs an sm_90 device (this one is sm_{}{}), v width 128 (got {dv}) and q/k width a multiple of 64 that fits shared memory (got {dqk})",
                 gpu.cc.0,
                 gpu.cc.1
@@ -341,14 +347,39 @@ impl MlaKernel {
     }
 }
 
-/// Shared memory of `mla_attn_sm90`: the Q block, two stages of K and V^T tiles, alignment slack.
-fn mla_sm90_smem(dqk: usize, dv: usize) -> usize {
-    128 * dqk * 2 + 2 * (128 * dqk * 2 + dv * 128 * 2) + 1024
+/// A configuration of `kernels/mla_attn_sm90.cu`: its entry point, warpgroups (64 query rows
+/// each), keys per tile, cp.async stages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sm90Variant {
+    pub name: &'static str,
+    pub warpgroups: usize,
+    pub keys: usize,
+    pub stages: usize,
 }
 
-/// Whether `mla_attn_sm90` runs for these widths on `gpu`.
+/// Every configuration of the wgmma kernel; the first is the default (H200, K3 widths, 96 heads:
+/// 441 / 439 TFLOP/s at 32k / 128k tokens, against 419 / 413 for 128 rows x 128 keys and 433 / 431
+/// with 3 stages; docs/cuda.md).
+pub const MLA_SM90_VARIANTS: [Sm90Variant; 3] = [
+    Sm90Variant { name: "mla_attn_sm90_m192", warpgroups: 3, keys: 64, stages: 2 },
+    Sm90Variant { name: "mla_attn_sm90", warpgroups: 2, keys: 128, stages: 2 },
+    Sm90Variant { name: "mla_attn_sm90_m192s3", warpgroups: 3, keys: 64, stages: 3 },
+];
+
+impl Sm90Variant {
+    /// Shared memory: the Q block, `stages` K and V^T tiles, alignment slack.
+    fn smem(&self, dqk: usize, dv: usize) -> usize {
+        64 * self.warpgroups * dqk * 2 + self.stages * (self.keys * dqk * 2 + dv * self.keys * 2) + 1024
+    }
+}
+
+/// Whether `mla_attn_sm90` (every configuration) runs for these widths on `gpu`.
 pub fn mla_sm90_supported(gpu: &Gpu, dqk: usize, dv: usize) -> bool {
-    gpu.cc == (9, 0) && dv == 128 && dqk % 64 == 0 && dqk > 0 && mla_sm90_smem(dqk, dv) <= gpu.smem_optin.max(0) as usize
+    gpu.cc == (9, 0)
+        && dv == 128
+        && dqk.is_multiple_of(64)
+        && dqk > 0
+        && MLA_SM90_VARIANTS.iter().all(|v| v.smem(dqk, dv) <= gpu.smem_optin.max(0) as usize)
 }
 
 /// Row stride of the packed V^T of `tk` keys for `mla_attn_sm90` (whole key tiles, zero padded).
@@ -359,7 +390,7 @@ pub fn mla_vt_ld(tk: usize) -> usize {
 /// `Vt[h][d][s]` (bf16, row stride `ld`, a multiple of 64, zeros past `tk`) from the v part of `kv`.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_pack_vt(gpu: &Gpu, kv: P, kvs: usize, vt: P, ld: usize, tk: usize, h: usize, dn: usize, dv: usize) -> Result<()> {
-    if ld % 64 != 0 || ld < tk {
+    if !ld.is_multiple_of(64) || ld < tk {
         bail!("mla_pack_vt: row stride {ld} must be a multiple of 64 and at least the {tk} keys");
     }
     let f = gpu.func("mla_attn", &mla_defines(dn + 64, dv), "mla_pack_vt")?;
@@ -367,14 +398,30 @@ pub fn mla_pack_vt(gpu: &Gpu, kv: P, kvs: usize, vt: P, ld: usize, tk: usize, h:
     gpu.launch(f, ((ld / 64) as u32, h as u32, 1), (256, 1, 1), 0, &mut a, "mla_pack_vt")
 }
 
-/// The wgmma flash attention (sm_90): Qb/Kb as for `mla_attn_bf16`, V transposed (`mla_pack_vt`).
+/// The wgmma flash attention (sm_90) in configuration `var`: Qb/Kb as for `mla_attn_bf16`, V
+/// transposed (`mla_pack_vt`).
 #[allow(clippy::too_many_arguments)]
-pub fn mla_attn_sm90(gpu: &Gpu, qb: P, kb: P, vt: P, vt_ld: usize, out: P, os: usize, tq: usize, pos0: usize, h: usize, dqk: usize, dv: usize, scale: f32) -> Result<()> {
-    if !mla_sm90_supported(gpu, dqk, dv) || vt_ld % 128 != 0 || vt_ld < pos0 + tq {
+pub fn mla_attn_sm90(
+    gpu: &Gpu,
+    var: Sm90Variant,
+    qb: P,
+    kb: P,
+    vt: P,
+    vt_ld: usize,
+    out: P,
+    os: usize,
+    tq: usize,
+    pos0: usize,
+    h: usize,
+    dqk: usize,
+    dv: usize,
+    scale: f32,
+) -> Result<()> {
+    if !mla_sm90_supported(gpu, dqk, dv) || !vt_ld.is_multiple_of(128) || vt_ld < pos0 + tq {
         bail!("mla_attn_sm90: not applicable (device sm_{}{}, qk {dqk}, v {dv}, V^T stride {vt_ld} for {} keys)", gpu.cc.0, gpu.cc.1, pos0 + tq);
     }
-    let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), "mla_attn_sm90")?;
-    let smem = mla_sm90_smem(dqk, dv) as u32;
+    let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), var.name)?;
+    let smem = var.smem(dqk, dv) as u32;
     let mut a = KArgs::new()
         .arg(qb)
         .arg(kb)
@@ -386,7 +433,8 @@ pub fn mla_attn_sm90(gpu: &Gpu, qb: P, kb: P, vt: P, vt_ld: usize, out: P, os: u
         .arg(pos0 as i32)
         .arg(h as i32)
         .arg(scale);
-    gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_sm90")
+    let rows = 64 * var.warpgroups;
+    gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), ((128 * var.warpgroups) as u32, 1, 1), smem, &mut a, var.name)
 }
 
 /// Packed bf16 operands of one causal MLA attention call, laid out for the kernel that will run.
@@ -428,7 +476,7 @@ pub fn mla_pack(
     let qb = gpu.alloc(tq * h * dqk * 2)?;
     let kb = gpu.alloc(tk * h * dqk * 2)?;
     mla_pack_q(gpu, q, qs, qb.ptr, tq, h, dqk, dv)?;
-    let (v, vt_ld) = if kernel == MlaKernel::Wgmma {
+    let (v, vt_ld) = if matches!(kernel, MlaKernel::Wgmma(_)) {
         let ld = mla_vt_ld(tk);
         let vt = gpu.alloc(h * dv * ld * 2)?;
         mla_pack_kv(gpu, kv, kvs, kpe, kps, kb.ptr, 0, tk, h, dn, dr, dv)?; // K only
@@ -445,7 +493,7 @@ pub fn mla_pack(
 /// Runs the packed attention into `out` (`[tq][h*dv]` f32, row stride `os`).
 pub fn mla_attn_packed(gpu: &Gpu, p: &MlaPacked, out: P, os: usize, scale: f32) -> Result<()> {
     match p.kernel {
-        MlaKernel::Wgmma => mla_attn_sm90(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, p.vt_ld, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
+        MlaKernel::Wgmma(var) => mla_attn_sm90(gpu, var, p.qb.ptr, p.kb.ptr, p.v.ptr, p.vt_ld, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
         _ => mla_attn_bf16(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
     }
 }
