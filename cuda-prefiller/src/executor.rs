@@ -283,7 +283,7 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
 
     let hmix = mix(b, &bank, p.as_ref().unwrap(), &w.attn_res.norm, &w.attn_res.proj, d.eps)?;
     let x = b.rms_norm(hmix.as_ref().unwrap_or(p.as_ref().unwrap()), &w.input_layernorm, d.eps)?;
-    if let Some(t) = trace.as_deref_mut() {
+    if let Some(t) = trace.as_mut() {
         t.attn_in.push(last_row(b, hmix.as_ref().unwrap_or(p.as_ref().unwrap()))?);
     }
     drop(hmix);
@@ -297,7 +297,7 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
         _ => bail!("layer {}: weights and cache kinds differ", cx.l),
     };
     drop(x);
-    if let Some(t) = trace.as_deref_mut() {
+    if let Some(t) = trace.as_mut() {
         t.attn_out.push(last_row(b, &u)?);
     }
     let p_now = match p.take() {
@@ -312,7 +312,7 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
         all.extend(new_bank.iter());
         b.attn_res_mix(&all, &p_now, &w.mlp_res.norm, &w.mlp_res.proj, d.eps)?
     };
-    if let Some(t) = trace.as_deref_mut() {
+    if let Some(t) = trace.as_mut() {
         t.mlp_in.push(last_row(b, &h2)?);
     }
     let x2 = b.rms_norm(&h2, &w.post_attention_layernorm, d.eps)?;
@@ -324,7 +324,7 @@ fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid
     let b = cx.b;
     let Mid { mut p_now, mut new_bank, x2 } = mid;
     drop(x2);
-    if let Some(t) = trace.as_deref_mut() {
+    if let Some(t) = trace.as_mut() {
         t.mlp_out.push(last_row(b, &m)?);
     }
     if cx.bank_before_mlp {
@@ -333,7 +333,7 @@ fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid
     } else {
         b.add_assign(&mut p_now, &m)?;
     }
-    if let Some(t) = trace.as_deref_mut() {
+    if let Some(t) = trace.as_mut() {
         t.after_layer.push(last_row(b, &p_now)?);
     }
     for nb in new_bank {
@@ -467,7 +467,6 @@ pub fn prefill_with<B: Backend>(
                 }
             }
         }
-        drop(cx);
         feed.layer_done(model, l)?;
         drop(w);
         if spec.ffn == FfnKind::LatentMoe {

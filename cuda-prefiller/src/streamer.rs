@@ -370,9 +370,9 @@ impl StreamedWeights {
             if bytes == 0 {
                 continue;
             }
-            for s in 0..2 {
+            for (s, ptr) in slot_ptr[ring].iter_mut().enumerate() {
                 let m = gpu.alloc_sync(bytes).with_context(|| format!("weight streamer: slot {s} of ring {ring}"))?;
-                slot_ptr[ring][s] = m.ptr;
+                *ptr = m.ptr;
                 slots.push(m);
             }
         }

@@ -6,6 +6,7 @@
 //! - split prefill (a continuation from the first call's state) streams too and matches the
 //!   synchronous split and the golden logits;
 //! - the streamer's accounting: every planned byte moved once per prompt, one timing row per layer.
+//!
 //! Golden directory: `$K3_GOLDEN_DIR` or the workspace's `tests/golden/tiny-a`.
 
 mod cuda_util;
@@ -193,7 +194,7 @@ fn cuda_streamed_bf16_equals_synchronous() {
 #[test]
 fn cuda_streamer_budget_too_small_names_the_layer() {
     let Some(m) = model(Precision::F32) else { return };
-    let err = StreamedWeights::new(&m, &StreamOptions { vram_budget: Some(100_000), ..Default::default() }).err().expect("a 0.1 MB budget must be refused");
+    let err = StreamedWeights::new(&m, &StreamOptions { vram_budget: Some(100_000), ..Default::default() }).expect_err("a 0.1 MB budget must be refused");
     let msg = format!("{err:#}");
     eprintln!("{msg}");
     assert!(msg.contains("--vram-budget") && msg.contains("layer 0") && msg.contains("language_model.model.layers."), "{msg}");
