@@ -25,6 +25,7 @@ use super::forward::BackendChoice;
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::cuda::gpu::Event;
+use crate::cuda::profile;
 use crate::cuda::synth_layer::{self as sl, Attn, Dims, LayerLayout, LayerState, LayerWeights};
 use crate::cuda::{CudaBackend, Precision};
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
@@ -100,6 +101,9 @@ pub struct Args {
     /// Kernel mode: time only the routed experts (both BF16 paths).
     #[arg(long)]
     pub experts_only: bool,
+    /// Kernel mode: time only the chunked KDA (total, then prep and scan kernels apart).
+    #[arg(long)]
+    pub kda_only: bool,
     /// Kernel mode: also time the dense expert path with these settings, `;`-separated
     /// (each as `K3_MOE_DENSE`, e.g. `streams=8;streams=2,group_mib=2048`).
     #[arg(long, value_delimiter = ';')]
@@ -485,6 +489,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         }
     }
     g.sync()?;
+    profile::reset();
     let wall0 = Instant::now();
     let mut ready: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
     let mut done: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
@@ -567,6 +572,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                         drop(xn2);
                         if whole {
                             b.moe_run_chunk(&plan, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
+                            profile::mark(g, "routed experts")?;
                             let mut p2 = p2;
                             sl::moe_back(b, &w, &p.d, &plan, &sh, &mut p2)?;
                             pc[ci] = p2;
@@ -578,9 +584,11 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 }
                 Unit::Experts { l, lo, hi } => {
                     let lay = &p.lay[li(p.attn[l])];
+                    profile::mark(g, "-")?;
                     for (plan, _) in &plans {
                         b.moe_run_chunk(plan, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
                     }
+                    profile::mark(g, "routed experts")?;
                     if hi == p.d.experts {
                         let w = LayerWeights::view(b, lay, p.dense_slots[dense_slot_of_layer[l]].ptr);
                         for (ci, (plan, sh)) in plans.iter().enumerate() {
@@ -612,6 +620,14 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     }
     g.sync()?;
     g.sync_copy()?;
+    if mode == Mode::Compute && profile::enabled() {
+        let steps = profile::report()?;
+        let total: f64 = steps.iter().map(|s| s.1).sum();
+        eprintln!("K3_PROFILE: {t} tokens, {} layers, GPU time per step (compute alone)", args.layers);
+        for (name, ms) in &steps {
+            eprintln!("  {name:<40} {ms:>10.1} ms  {:>5.1} %", 100.0 * ms / total.max(1e-9));
+        }
+    }
     let mut wall = wall0.elapsed().as_secs_f64();
     if mode == Mode::Compute {
         wall = 0.0;
@@ -665,6 +681,60 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The chunked KDA's kernels timed apart on the inputs `[q, k, v, g, beta]` (96 heads x 128):
+/// (prep, solve, scan) ms, each summed over the workspace segments, median of `reps`. `v0`: the
+/// previous two kernels (prep, 0, scan).
+fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: usize, reps: usize, v0: bool) -> Result<(f64, f64, f64)> {
+    use crate::cuda::kernels as kk;
+    let g = b.gpu.clone();
+    let (h, d) = (96usize, 128usize);
+    let [q, k, v, gg, beta] = ins;
+    let out = b.empty(t, h * d)?;
+    let nch_total = t.div_ceil(64);
+    let seg = kk::kda_segment_chunks(h, d, nch_total);
+    let ws = g.alloc(seg * kk::kda_ws_floats(d) * h * 4)?;
+    let mut ms = [Vec::new(), Vec::new(), Vec::new()];
+    for rep in 0..=reps {
+        let s = b.zeros(h, d * d)?;
+        let mut sum = [0f64; 3];
+        let mut c0 = 0;
+        while c0 < nch_total {
+            let n = seg.min(nch_total - c0);
+            let ev = [g.event()?, g.event()?, g.event()?, g.event()?];
+            ev[0].record(g.stream())?;
+            if v0 {
+                kk::kda_chunk_prep_v0(&g, q.ptr(), k.ptr(), v.ptr(), gg.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            } else {
+                kk::kda_chunk_prep(&g, q.ptr(), k.ptr(), gg.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            }
+            ev[1].record(g.stream())?;
+            if !v0 {
+                kk::kda_chunk_solve(&g, v.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            }
+            ev[2].record(g.stream())?;
+            if v0 {
+                kk::kda_chunk_scan_v0(&g, ws.ptr, s.ptr(), out.ptr(), t, h, d, c0, n)?;
+            } else {
+                kk::kda_chunk_scan(&g, ws.ptr, s.ptr(), out.ptr(), t, h, d, c0, n)?;
+            }
+            ev[3].record(g.stream())?;
+            ev[3].sync()?;
+            for (i, x) in sum.iter_mut().enumerate() {
+                *x += ev[i].ms_to(&ev[i + 1])? as f64;
+            }
+            c0 += n;
+        }
+        if rep > 0 {
+            for (m, x) in ms.iter_mut().zip(sum) {
+                m.push(x);
+            }
+        }
+    }
+    let [p, so, sc] = ms.map(median);
+    eprintln!("KDA {} at {t} tokens: prep {p:.1} ms + solve {so:.1} ms + scan {sc:.1} ms ({seg} chunks per segment)", if v0 { "previous kernels" } else { "kernels" });
+    Ok((p, so, sc))
+}
+
 fn kernels(args: &Args) -> Result<()> {
     use crate::backend::KdaDims;
     use crate::cuda::kernels as kk;
@@ -709,11 +779,22 @@ fn kernels(args: &Args) -> Result<()> {
                 times.push(e0.ms_to(&e1)? as f64);
             }
         }
+        let parts = if args.kda_only {
+            let ins = [&q, &k, &v, &gg, &beta];
+            Some((kda_breakdown(&b, ins, t, args.reps, false)?, kda_breakdown(&b, ins, t, args.reps, true)?))
+        } else {
+            None
+        };
         drop((q, k, v, gg, beta));
         let kda_ms = median(times);
         // chunk products only (the same count layer_flops uses)
         let per_chunk = 2.0 * (64.0 * 65.0 / 2.0) * d as f64 * 2.0 + 64.0 * 64.0 * 2.0 * d as f64 + 2.0 * 64.0 * (d * d) as f64 * 3.0 + 64.0 * 64.0 * d as f64;
         let kflops = (t as f64 / 64.0).ceil() * h as f64 * per_chunk;
+        if let Some(((prep_ms, solve_ms, scan_ms), (prep0_ms, _, scan0_ms))) = parts {
+            let r = serde_json::json!({ "tokens": t, "kda_ms": kda_ms, "kda_tflops": kflops / kda_ms / 1e9, "kda_prep_ms": prep_ms, "kda_solve_ms": solve_ms, "kda_scan_ms": scan_ms, "v0_prep_ms": prep0_ms, "v0_scan_ms": scan0_ms });
+            println!("{r}");
+            continue;
+        }
         // MLA, bf16 flash kernel on packed head-major inputs
         let qf = b.upload(&rnd(t * h * dqk, 6, -1.0, 1.0), t, h * dqk)?;
         let kvf = b.upload(&rnd(t * h * (128 + dv), 7, -1.0, 1.0), t, h * (128 + dv))?;

@@ -12,6 +12,7 @@ pub mod gpu;
 pub mod kernels;
 pub mod moe_dense;
 pub mod nvrtc;
+pub mod profile;
 pub mod synth_layer;
 
 pub use backend::{Bf16Parts, CudaBackend, Precision};

@@ -12,6 +12,7 @@ use k3_protocol::config::TextConfig;
 
 use super::backend::{CudaBackend, CudaBuf, CudaWeight, ExpertLayout, MoePlan};
 use super::gpu::DevMem;
+use super::profile;
 use crate::backend::{Backend, DeviceBuf, KdaDims, MlaDims, MlaForm, SituBetas};
 use crate::streamer::Part;
 
@@ -277,8 +278,12 @@ impl LayerState {
 /// Attention half of a layer for token rows `pos0..pos0+x.rows()` (x = the layer input `P`,
 /// `bank` the AttnRes bank); returns `(P + attn_out, normed MoE input)`.
 pub fn attention(b: &CudaBackend, w: &LayerWeights, d: &Dims, bank: &[&CudaBuf], p: &CudaBuf, st: &mut LayerState, pos0: usize) -> Result<(CudaBuf, CudaBuf)> {
+    let m = |name: &'static str| profile::mark(&b.gpu, name);
+    m("-")?;
     let h = b.attn_res_mix(bank, p, w.g("self_attention_res_norm"), w.g("self_attention_res_proj"), 1e-5)?;
+    m("attn_res mix")?;
     let xn = b.rms_norm(&h, w.g("input_layernorm"), 1e-5)?;
+    m("norms")?;
     drop(h);
     let y = match w.layout.attn {
         Attn::Kda => {
@@ -286,7 +291,10 @@ pub fn attention(b: &CudaBackend, w: &LayerWeights, d: &Dims, bank: &[&CudaBuf],
             let mut win = std::mem::take(&mut st.win);
             let mut proj = |name: &str, conv: &str, wi: usize| -> Result<CudaBuf> {
                 let raw = b.gemm(&xn, w.g(name))?;
-                b.short_conv_silu(&raw, w.g(conv), &mut win[wi])
+                m("gemm qkvg/o")?;
+                let r = b.short_conv_silu(&raw, w.g(conv), &mut win[wi]);
+                m("kda elementwise")?;
+                r
             };
             let mut q = proj("q_proj", "q_conv1d", 0)?;
             let mut k = proj("k_proj", "k_conv1d", 1)?;
@@ -294,16 +302,25 @@ pub fn attention(b: &CudaBackend, w: &LayerWeights, d: &Dims, bank: &[&CudaBuf],
             st.win = win;
             b.l2_norm_heads(&mut q, kd.head_dim, 1e-6, 1.0 / (kd.head_dim as f32).sqrt())?;
             b.l2_norm_heads(&mut k, kd.head_dim, 1e-6, 1.0)?;
+            m("kda elementwise")?;
             let z = b.gemm(&b.gemm(&xn, w.g("f_a_proj"))?, w.g("f_b_proj"))?;
+            m("gemm small (gate, beta, router)")?;
             let g = b.kda_gate(&z, w.g("A_log"), w.g("dt_bias"), kd, Some(-5.0))?;
             drop(z);
+            m("kda elementwise")?;
             let beta = b.sigmoid(&b.gemm(&xn, w.g("b_proj"))?)?;
+            m("gemm small (gate, beta, router)")?;
             let s = st.kda_s.as_mut().expect("KDA state");
             let o = b.kda_chunked(&q, &k, &v, &g, &beta, s, kd, 64)?;
             drop((q, k, v, g, beta));
+            m("kda recurrence")?;
             let r = b.gemm(&xn, w.g("g_proj"))?;
+            m("gemm qkvg/o")?;
             let o = b.gated_rms_norm(&o, &r, w.g("o_norm"), kd.head_dim, 1e-5)?;
-            b.gemm(&o, w.g("o_proj"))?
+            m("kda elementwise")?;
+            let y = b.gemm(&o, w.g("o_proj"))?;
+            m("gemm qkvg/o")?;
+            y
         }
         Attn::Mla => {
             let md = d.mla;
@@ -313,44 +330,65 @@ pub fn attention(b: &CudaBackend, w: &LayerWeights, d: &Dims, bank: &[&CudaBuf],
             let lat = b.mla_latent(&kv, w.g("kv_a_layernorm"), 1e-6, md)?;
             let cache = st.cache.as_mut().expect("MLA cache");
             b.write_rows(cache, pos0, &lat)?;
+            m("mla projections + latent")?;
             let mut a = b.mla_attention(&q, cache, w.g("kv_b_proj"), md, pos0, MlaForm::Expanded)?;
+            m("mla attention (incl. K/V expansion)")?;
             let gate = b.gemm(&xn, w.g("g_proj"))?;
             b.sigmoid_gate_mul(&mut a, &gate)?;
-            b.gemm(&a, w.g("o_proj"))?
+            let y = b.gemm(&a, w.g("o_proj"))?;
+            m("gemm qkvg/o")?;
+            y
         }
     };
     let mut p2 = b.slice_rows(p, 0, p.rows())?;
     b.add_assign(&mut p2, &y)?;
     let h2 = b.attn_res_mix(bank, &p2, w.g("mlp_res_norm"), w.g("mlp_res_proj"), 1e-5)?;
+    m("attn_res mix")?;
     let xn2 = b.rms_norm(&h2, w.g("post_attention_layernorm"), 1e-5)?;
+    m("norms")?;
     Ok((p2, xn2))
 }
 
 /// The non-expert front of the latent MoE: routing, the expert plan (grouped inputs), and the
 /// shared experts' output.
 pub fn moe_front(b: &CudaBackend, w: &LayerWeights, d: &Dims, xn2: &CudaBuf) -> Result<(MoePlan, CudaBuf)> {
+    let m = |name: &'static str| profile::mark(&b.gpu, name);
+    m("-")?;
     let logits = b.gemm(xn2, w.g("gate"))?;
+    m("gemm small (gate, beta, router)")?;
     let (ids, wts, _gap) = b.route_device(&logits, w.g("e_score_correction_bias"), d.top_k, true, 1.0)?;
     drop(logits);
+    m("moe routing + grouping")?;
     let xl = b.gemm(xn2, w.g("routed_expert_down_proj"))?;
+    m("gemm latent down/up")?;
     let plan = b.moe_prepare(&xl, ids.ptr, wts, d.top_k, d.experts, &w.layout.experts)?;
     drop(ids);
+    m("moe routing + grouping")?;
     let sg = b.gemm(xn2, w.g("shared_gate_proj"))?;
     let su = b.gemm(xn2, w.g("shared_up_proj"))?;
+    m("gemm shared experts")?;
     let s = b.situ_glu(&sg, &su, d.betas)?;
     drop((sg, su));
+    m("norms")?;
     let sh = b.gemm(&s, w.g("shared_down_proj"))?;
+    m("gemm shared experts")?;
     Ok((plan, sh))
 }
 
 /// The back of the latent MoE once every expert chunk ran: combine, norm, up-projection, and
 /// the update of `P`.
 pub fn moe_back(b: &CudaBackend, w: &LayerWeights, d: &Dims, plan: &MoePlan, sh: &CudaBuf, p: &mut CudaBuf) -> Result<()> {
+    let m = |name: &'static str| profile::mark(&b.gpu, name);
+    m("-")?;
     let r = b.moe_combine(plan, d.latent)?;
+    m("moe routing + grouping")?;
     let r = b.rms_norm(&r, w.g("routed_expert_norm"), 1e-5)?;
+    m("norms")?;
     let r = b.gemm(&r, w.g("routed_expert_up_proj"))?;
+    m("gemm latent down/up")?;
     b.add_assign(p, &r)?;
-    b.add_assign(p, sh)
+    b.add_assign(p, sh)?;
+    m("norms")
 }
 
 /// Useful FLOPs of one layer over `t` new tokens after `pos0` earlier ones (for the roofline).
