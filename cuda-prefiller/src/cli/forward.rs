@@ -48,9 +48,10 @@ pub struct Args {
     /// Also write the golden `hidden.*` vectors of the last position.
     #[arg(long)]
     pub dump_hidden: bool,
-    /// Tokens per chunk within a layer.
-    #[arg(long, default_value_t = 512)]
-    pub chunk_tokens: usize,
+    /// Tokens per chunk within a layer (default: 512 on the CPU, 16384 on a GPU with ≥ 64 GiB,
+    /// 4096 on smaller GPUs).
+    #[arg(long)]
+    pub chunk_tokens: Option<usize>,
     /// CUDA arithmetic: `f32` (check mode, matches the fp32 golden sets) or `bf16` (serving).
     #[arg(long, default_value = "f32")]
     pub precision: String,
@@ -175,7 +176,7 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
     };
     let base = state.tokens;
     let opts = ExecOptions {
-        chunk_tokens: args.chunk_tokens,
+        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend)).max(1),
         logits: LogitsRows::All,
         trace_last: args.dump_hidden,
         ..Default::default()

@@ -87,9 +87,10 @@ pub struct Args {
     /// Most new tokens per request.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_request_tokens: usize,
-    /// Executor: tokens per chunk within a layer.
-    #[arg(long, default_value_t = 512)]
-    pub chunk_tokens: usize,
+    /// Executor: tokens per chunk within a layer (default: 512 on the CPU, 16384 on a GPU with
+    /// ≥ 64 GiB, 4096 on smaller GPUs).
+    #[arg(long)]
+    pub chunk_tokens: Option<usize>,
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
     #[command(flatten)]
@@ -109,7 +110,7 @@ impl Args {
             store: StoreLimits { max_bytes: self.session_memory, lease: Duration::from_secs(self.session_lease_secs) },
             max_queue: self.max_queue,
             max_request_tokens: self.max_request_tokens,
-            chunk_tokens: self.chunk_tokens.max(1),
+            chunk_tokens: self.chunk_tokens.unwrap_or(512).max(1),
             layer_delay: Duration::from_millis(self.debug_layer_delay_ms),
             metrics_listen: self.metrics_listen,
             ..ServeOptions::default()
@@ -192,6 +193,7 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     let name = backend.name().to_string();
     let model = Model::new(backend, ck, policy).context("loading the model")?;
     let mut opts = args.options();
+    opts.chunk_tokens = args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend)).max(1);
     if stream {
         opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
     }

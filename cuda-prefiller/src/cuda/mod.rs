@@ -42,6 +42,19 @@ pub fn probe() -> Result<String, String> {
     Ok(format!("{name} (sm_{ma}{mi})"))
 }
 
+/// Tokens per executor chunk when none is given: 16384 on a GPU with at least 64 GiB (large
+/// GEMMs, and enough rows per routed expert for the dense expert path), 4096 on smaller GPUs
+/// (a 32 GB card also holds the weight slots), 512 on the CPU reference.
+pub fn default_chunk_tokens<B: crate::backend::Backend + 'static>(b: &B) -> usize {
+    match (b as &dyn std::any::Any).downcast_ref::<CudaBackend>() {
+        Some(c) => match c.gpu.mem_info() {
+            Ok((_, total)) if total >= 64 << 30 => 16384,
+            _ => 4096,
+        },
+        None => 512,
+    }
+}
+
 /// True when [`probe`] succeeds.
 pub fn available() -> bool {
     probe().is_ok()
