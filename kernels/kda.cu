@@ -1,7 +1,7 @@
 // Kimi Delta Attention prefill, chunked form (spec 3.3-3.4), all in IEEE fp32 (FFMA, no TF32).
 // Layouts: q, k, v, g: [T][H][D] f32 (row stride H*D); beta: [T][H]; state S: [H][D(k)][D(v)].
-// Chunk length 64. Per segment of chunks, kda_chunk_prep computes every chunk's state-independent
-// products in parallel, then kda_chunk_scan walks the chunks of each head sequentially.
+// Chunk length 64. Per segment of chunks, kda_chunk_prep and kda_chunk_solve compute every chunk's
+// state-independent products in parallel, then kda_chunk_scan walks the chunks of each head in order.
 #define KC 64
 
 // x <- scale * x / sqrt(sum x^2 + eps) per head of D columns. One warp per (row, head).
@@ -69,209 +69,412 @@ extern "C" __global__ void kda_recurrent(const float* __restrict__ q, const floa
     for (int d = 0; d < D; ++d) Sg[d * D + c] = Ss[d * D + c];
 }
 
-// Workspace per (local chunk c, head h), f32, at ws + (c*H + h) * kda_ws_floats(D):
-//   Wm[64][D] = Tw (e^G . K),  U[64][D] = Tw V,  Qg[64][D] = e^G . Q,  Kd[64][D] = e^(G_L - G) . K,
-//   M[64][64] = (Q K^T . e^(G_i - G_j)) for j <= i, 0 above,  eGL[D] = e^(G_L)
-// with (I + A) Tw = diag(beta), A[i][j] = beta_i sum_d k_i k_j e^(G_i - G_j) for j < i.
-__device__ __forceinline__ i64 kda_ws_floats(int D) { return 4LL * KC * D + KC * KC + D; }
+// ---- chunked prefill (spec 3.4) ----------------------------------------------------------------
+// Three kernels per segment of chunks. kda_chunk_prep and kda_chunk_solve compute every
+// (chunk, head)'s state-independent products in parallel, one workspace record each;
+// kda_chunk_scan then walks the chunks of each head in order, split over blocks of 32 value
+// columns (the state update acts on each value column independently: the split changes no
+// arithmetic).
+//
+// Workspace record per (local chunk c, head h), f32, at ws + (c*H + h) * kda_ws_floats(D):
+//   [0, 128D)            D/32 slices s of 4096 floats: W^T[k][i] (k = 32s .. 32s+31, i < 64), then Qg^T[k][i]
+//   [128D, 128D+4096)    M^T[j][i] = M[i][j]  (zero for j > i)
+//   next 64D             Kd[j][k]
+//   next 64D             U[i][c]
+//   next D               eGL[k]
+//   next 4096            A[i][j] (scratch between prep and solve; j < i read only)
+// with G = cumulative log decay within the chunk, A[i][j] = beta_i sum_d k_i k_j e^(G_i - G_j) (j < i),
+// (I + A) [W | U] = diag(beta) [e^G . K | V], Qg = e^G . Q, Kd = e^(G_L - G) . K, eGL = e^(G_L),
+// M[i][j] = sum_d q_i k_j e^(G_i - G_j) (j <= i).
+//
+// Arithmetic order (fixed, IEEE fp32, every a*b+c contracted to one FFMA, no TF32):
+//   G_i      = ((g_0 + g_1) + ...) + g_i                                    (per key channel)
+//   A, M     for each d = 0, 1, .., D-1 in turn: x = k_j[d] * expf(G_i[d] - G_j[d]);
+//            a += k_i[d] * x; m += q_i[d] * x (from 0); then A = beta_i * a
+//   W, U     forward substitution, x_i = beta_i y_i, then x_i -= A[i][j] x_j for j = 0 .. i-1
+//   per chunk, value column c, from the state S entering it:
+//            Vt[i] = U[i] - (sum over k = 0 .. D-1 of W[i][k] S[k], from 0)
+//            O[i]  = (sum over k of Qg[i][k] S[k], from 0), then += M[i][j] Vt[j] for j = 0 .. 63
+//            S[k]  = eGL[k] * S[k] + (sum over j = 0 .. 63 of Kd[j][k] Vt[j], from 0)
+// The scan's order is that of the earlier one-block-per-head kernel; the prep kernel sums A and M over
+// d in sequence (it used to reduce across a warp).
+__device__ __forceinline__ i64 kda_ws_floats(int D) { return 4LL * KC * D + 2 * KC * KC + D; }
 
-extern "C" __global__ void __launch_bounds__(256) kda_chunk_prep(const float* __restrict__ q,
-        const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
-        const float* __restrict__ beta, int T, int H, int D, int c0, float* __restrict__ ws) {
-    extern __shared__ float sm[];
-    float* Ks = sm;              // [64][D]
-    float* Qs = Ks + KC * D;     // [64][D]
-    float* Vs = Qs + KC * D;     // [64][D]
-    float* Gs = Vs + KC * D;     // [64][D] cumulative log decay
-    float* As = Gs + KC * D;     // [64][64]
-    float* bs = As + KC * KC;    // [64]
-    int c = blockIdx.x, h = blockIdx.y;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarp = blockDim.x >> 5;
-    i64 t0 = (i64)(c0 + c) * KC;
-    i64 rs = (i64)H * D;
-    for (int e = tid; e < KC * D; e += blockDim.x) {
-        int i = e / D, d = e % D;
-        i64 t = t0 + i;
-        bool ok = t < T;
-        i64 o = t * rs + (i64)h * D + d;
-        Ks[e] = ok ? k[o] : 0.0f;
-        Qs[e] = ok ? q[o] : 0.0f;
-        Vs[e] = ok ? v[o] : 0.0f;
-        Gs[e] = ok ? g[o] : 0.0f;
+#define KDA_PREP_THREADS 288
+#define KDA_PAIR_ITEMS 272  // 4 (rows i) x 2 (columns j) tiles covering j <= i of the 64x64 pair matrix
+
+__device__ __forceinline__ u32 kda_smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void kda_cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kda_smem_u32(dst)), "l"(src) : "memory");
+}
+// 16 bytes, or zeros when `bytes` is 0 (src is then not read)
+__device__ __forceinline__ void kda_cp16z(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kda_smem_u32(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void kda_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void kda_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Row-major [64][D] staging, the 4-float granules of row i XOR-swizzled by (i/2) % 8, so that
+// column walks (one thread per column) and granule reads of 8 different even rows are both free of
+// bank conflicts. kda_rg: granule of columns d0 .. d0+3 (d0 % 4 == 0); kda_rm: one element.
+__device__ __forceinline__ int kda_rg(int i, int d0, int D) { return i * D + ((((d0 >> 2) ^ ((i >> 1) & 7))) << 2); }
+__device__ __forceinline__ int kda_rm(int i, int d, int D) { return kda_rg(i, d & ~3, D) + (d & 3); }
+
+// Forward substitution of one column held in registers: x (holds y on entry) <- (I + A)^-1 diag(beta) y.
+__device__ __forceinline__ void kda_subst(float (&x)[KC], const float* As, const float* bs) {
+#pragma unroll
+    for (int i = 0; i < KC; ++i) {
+        float a = bs[i] * x[i];
+#pragma unroll
+        for (int j = 0; j < i; ++j) a -= As[i * KC + j] * x[j];
+        x[i] = a;
     }
-    for (int i = tid; i < KC; i += blockDim.x) bs[i] = (t0 + i < T) ? beta[(t0 + i) * H + h] : 0.0f;
-    __syncthreads();
-    for (int d = tid; d < D; d += blockDim.x) {
-        float run = 0.0f;
-        for (int i = 0; i < KC; ++i) { run += Gs[i * D + d]; Gs[i * D + d] = run; }
-    }
-    __syncthreads();
-    float* W = ws + (i64)(c * H + h) * kda_ws_floats(D);
-    float* Wm = W;
-    float* U = Wm + KC * D;
-    float* Qg = U + KC * D;
-    float* Kd = Qg + KC * D;
-    float* M = Kd + KC * D;
-    float* eGL = M + KC * KC;
-    // pairs (i, j), j <= i: one warp per pair, lanes over d
-    const int npairs = KC * (KC + 1) / 2;
-    for (int p = warp; p < npairs; p += nwarp) {
-        int i = (int)((sqrtf(8.0f * p + 1.0f) - 1.0f) * 0.5f);
-        while (i * (i + 1) / 2 > p) --i;
-        while ((i + 1) * (i + 2) / 2 <= p) ++i;
-        int j = p - i * (i + 1) / 2;
-        float sa = 0.0f, sq = 0.0f;
-        for (int d = lane; d < D; d += 32) {
-            float ex = expf(Gs[i * D + d] - Gs[j * D + d]);
-            float kj = Ks[j * D + d] * ex;
-            sa += Ks[i * D + d] * kj;
-            sq += Qs[i * D + d] * kj;
-        }
-        sa = warp_sum(sa); sq = warp_sum(sq);
-        if (lane == 0) {
-            M[i * KC + j] = sq;
-            As[i * KC + j] = (j < i) ? bs[i] * sa : 0.0f;
-        }
-    }
-    for (int p = tid; p < KC * KC; p += blockDim.x) {
-        int i = p / KC, j = p % KC;
-        if (j > i) M[p] = 0.0f;
-    }
-    __syncthreads();
-    for (int e = tid; e < KC * D; e += blockDim.x) {
-        int d = e % D;
-        float G = Gs[e], GL = Gs[(KC - 1) * D + d];
-        Qg[e] = expf(G) * Qs[e];
-        Kd[e] = expf(GL - G) * Ks[e];
-        Ks[e] = expf(G) * Ks[e];
-    }
-    for (int d = tid; d < D; d += blockDim.x) eGL[d] = expf(Gs[(KC - 1) * D + d]);
-    __syncthreads();
-    // forward substitution, one thread per column of [e^G.K | V]
-    for (int col = tid; col < 2 * D; col += blockDim.x) {
-        float* Y = col < D ? Ks + col : Vs + (col - D);
-        for (int i = 0; i < KC; ++i) {
-            float x = bs[i] * Y[i * D];
-            for (int j = 0; j < i; ++j) x -= As[i * KC + j] * Y[j * D];
-            Y[i * D] = x;
-        }
-    }
-    __syncthreads();
-    for (int e = tid; e < KC * D; e += blockDim.x) { Wm[e] = Ks[e]; U[e] = Vs[e]; }
 }
 
-// One block (256 threads = 8 warps) per head walks chunks c0 .. c0+nch-1 sequentially.
-// Thread tiles: rows r = warp + 8m (m < 8), value columns c = lane + 32q (q < D/32); D % 32 == 0, D <= 128.
-extern "C" __global__ void __launch_bounds__(256) kda_chunk_scan(const float* __restrict__ ws, float* __restrict__ S,
-        float* __restrict__ out, int T, int H, int D, int c0, int nch) {
+// One block of 288 threads per (chunk c0 + blockIdx.x, head blockIdx.y). D % 32 == 0, D <= 128.
+// Writes Qg^T, Kd, eGL, M^T of the record, e^G . K (transposed, into the W^T slots) and A (scratch);
+// kda_chunk_solve finishes W and U. Shared memory: G, K, Q staged as [64][D] (98,560 bytes at
+// D = 128: two blocks per SM).
+extern "C" __global__ void __launch_bounds__(KDA_PREP_THREADS, 2) kda_chunk_prep(const float* __restrict__ q,
+        const float* __restrict__ k, const float* __restrict__ g, const float* __restrict__ beta, int T, int H, int D,
+        int c0, float* __restrict__ ws) {
     extern __shared__ float sm[];
-    float* Ss = sm;               // [D][D] state (k rows, v columns)
-    float* B1 = Ss + D * D;       // [64][D]  Wm, then Kd
-    float* B2 = B1 + KC * D;      // [64][D]  Qg
-    float* Ms = B2 + KC * D;      // [64][64]
-    float* Vt = Ms + KC * KC;     // [64][D]  U, then corrected values
-    float* eg = Vt + KC * D;      // [D]
-    int h = blockIdx.x;
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int CQ = D / 32;
-    float* Sg = S + (i64)h * D * D;
-    for (int e = tid; e < D * D; e += blockDim.x) Ss[e] = Sg[e];
+    float* Gs = sm;            // [64][D] g, then G (running sum down each column)
+    float* Ks = Gs + KC * D;
+    float* Qs = Ks + KC * D;
+    float* bs = Qs + KC * D;   // [64]
+    int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    i64 t0 = (i64)(c0 + c) * KC;
+    i64 rs = (i64)H * D;
+    float* rec = ws + (i64)(c * H + h) * kda_ws_floats(D);
+    float* WQ = rec;
+    float* MT = rec + 128 * D;
+    float* KD = MT + KC * KC;
+    float* EG = KD + 2 * KC * D;
+    float* AG = EG + D;
+    // rows of g, k, q straight into shared memory (rows past T read as zero)
+    int gpr = D >> 2, pieces = KC * gpr;
+    for (int e = tid; e < 3 * pieces; e += nt) {
+        int kind = e / pieces, r = e - kind * pieces, i = r / gpr, d0 = (r - i * gpr) << 2;
+        const float* base = kind == 0 ? g : kind == 1 ? k : q;
+        float* dst = (kind == 0 ? Gs : kind == 1 ? Ks : Qs) + kda_rg(i, d0, D);
+        bool ok = t0 + i < T;
+        kda_cp16z(dst, ok ? (const void*)(base + (t0 + i) * rs + (i64)h * D + d0) : (const void*)base, ok ? 16 : 0);
+    }
+    kda_cp_commit();
+    // M^T above the computed tiles is zero
+    for (int e = tid; e < KC * KC; e += nt) {
+        int j = e >> 6, i = e & 63;
+        if ((j >> 1) > 2 * (i >> 2) + 1) MT[e] = 0.0f;
+    }
+    if (tid < KC) bs[tid] = (t0 + tid < T) ? beta[(t0 + tid) * H + h] : 0.0f;
+    kda_cp_wait<0>();
+    __syncthreads();
+    if (tid < D) {
+        float run = 0.0f;
+        for (int i = 0; i < KC; ++i) {
+            float* p = Gs + kda_rm(i, tid, D);
+            run += *p;
+            *p = run;
+        }
+    }
+    __syncthreads();
+    // per key column: eGL, Qg^T, Kd and e^G . k (two threads per column, 32 rows each)
+    if (tid < 2 * D) {
+        int col = tid < D ? tid : tid - D, ib = tid < D ? 0 : KC / 2;
+        float GL = Gs[kda_rm(KC - 1, col, D)];
+        if (tid < D) EG[col] = expf(GL);
+        float* YT = WQ + (col >> 5) * 4096 + (col & 31) * KC;
+        float* QgT = YT + 2048;
+#pragma unroll 2
+        for (int i0 = ib; i0 < ib + KC / 2; i0 += 4) {
+            float qg[4], y[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int i = i0 + r, o = kda_rm(i, col, D);
+                float G = Gs[o], kv = Ks[o];
+                float eg = expf(G);
+                qg[r] = eg * Qs[o];
+                KD[i * D + col] = expf(GL - G) * kv;
+                y[r] = eg * kv;
+            }
+            *(float4*)(QgT + i0) = make_float4(qg[0], qg[1], qg[2], qg[3]);
+            *(float4*)(YT + i0) = make_float4(y[0], y[1], y[2], y[3]);
+        }
+    }
+    // A and M: tile p covers rows 4rt .. 4rt+3 and columns 2ct, 2ct+1 (ct <= 2rt+1)
+    if (tid < KDA_PAIR_ITEMS) {
+        int p = tid;
+        int rt = (int)((sqrtf(4.0f * p + 1.0f) - 1.0f) * 0.5f);
+        while (rt * (rt + 1) > p) --rt;
+        while ((rt + 1) * (rt + 2) <= p) ++rt;
+        int ct = p - rt * (rt + 1);
+        int i0 = 4 * rt, j0 = 2 * ct;
+        float sa[4][2], sq[4][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) { sa[r][cc] = 0.0f; sq[r][cc] = 0.0f; }
+#pragma unroll 2
+        for (int d0 = 0; d0 < D; d0 += 4) {
+            float GI[4][4], KI[4][4], QI[4][4], GJ[2][4], KJ[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int o = kda_rg(i0 + r, d0, D);
+                float4 a = *(const float4*)(Gs + o), b = *(const float4*)(Ks + o), e = *(const float4*)(Qs + o);
+                GI[r][0] = a.x; GI[r][1] = a.y; GI[r][2] = a.z; GI[r][3] = a.w;
+                KI[r][0] = b.x; KI[r][1] = b.y; KI[r][2] = b.z; KI[r][3] = b.w;
+                QI[r][0] = e.x; QI[r][1] = e.y; QI[r][2] = e.z; QI[r][3] = e.w;
+            }
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                int o = kda_rg(j0 + cc, d0, D);
+                float4 a = *(const float4*)(Gs + o), b = *(const float4*)(Ks + o);
+                GJ[cc][0] = a.x; GJ[cc][1] = a.y; GJ[cc][2] = a.z; GJ[cc][3] = a.w;
+                KJ[cc][0] = b.x; KJ[cc][1] = b.y; KJ[cc][2] = b.z; KJ[cc][3] = b.w;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc) {
+                        float x = KJ[cc][u] * expf(GI[r][u] - GJ[cc][u]);
+                        sa[r][cc] += KI[r][u] * x;
+                        sq[r][cc] += QI[r][u] * x;
+                    }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int i = i0 + r;
+            float a0 = (j0 < i) ? bs[i] * sa[r][0] : 0.0f, a1 = (j0 + 1 < i) ? bs[i] * sa[r][1] : 0.0f;
+            *(float2*)(AG + i * KC + j0) = make_float2(a0, a1);
+        }
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+            int j = j0 + cc;
+            float m[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) m[r] = (j <= i0 + r) ? sq[r][cc] : 0.0f;
+            *(float4*)(MT + j * KC + i0) = make_float4(m[0], m[1], m[2], m[3]);
+        }
+    }
+}
+
+// W and U of chunk c0 + blockIdx.x, head blockIdx.y by forward substitution: one thread per column
+// of [e^G . K | V] (threads 0 .. 2D-1 of 256). Reads the A scratch and the e^G . K written by
+// kda_chunk_prep. Shared memory: A [64][64], beta [64].
+extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_solve(const float* __restrict__ v,
+        const float* __restrict__ beta, int T, int H, int D, int c0, float* __restrict__ ws) {
+    extern __shared__ float sm[];
+    float* As = sm;
+    float* bs = As + KC * KC;
+    int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    i64 t0 = (i64)(c0 + c) * KC;
+    i64 rs = (i64)H * D;
+    float* rec = ws + (i64)(c * H + h) * kda_ws_floats(D);
+    float* UU = rec + 128 * D + KC * KC + KC * D;
+    const float* AG = UU + KC * D + D;
+    for (int e = tid * 4; e < KC * KC; e += blockDim.x * 4) *(float4*)(As + e) = *(const float4*)(AG + e);
+    if (tid < KC) bs[tid] = (t0 + tid < T) ? beta[(t0 + tid) * H + h] : 0.0f;
+    float x[KC];
+    float* WT = nullptr;
+    if (tid < D) {
+        WT = rec + (tid >> 5) * 4096 + (tid & 31) * KC;
+#pragma unroll
+        for (int i0 = 0; i0 < KC; i0 += 4) {
+            float4 a = *(const float4*)(WT + i0);
+            x[i0] = a.x; x[i0 + 1] = a.y; x[i0 + 2] = a.z; x[i0 + 3] = a.w;
+        }
+    } else if (tid < 2 * D) {
+        const float* src = v + t0 * rs + (i64)h * D + (tid - D);
+#pragma unroll
+        for (int i = 0; i < KC; ++i) x[i] = (t0 + i < T) ? src[(i64)i * rs] : 0.0f;
+    }
+    __syncthreads();
+    if (tid < D) {
+        kda_subst(x, As, bs);
+#pragma unroll
+        for (int i0 = 0; i0 < KC; i0 += 4) *(float4*)(WT + i0) = make_float4(x[i0], x[i0 + 1], x[i0 + 2], x[i0 + 3]);
+    } else if (tid < 2 * D) {
+        kda_subst(x, As, bs);
+#pragma unroll
+        for (int i = 0; i < KC; ++i) UU[i * D + (tid - D)] = x[i];
+    }
+}
+
+// ---- the scan ----
+// Grid (H, D/32): block (h, y) owns value columns 32y .. 32y+31 of head h's state, kept in shared
+// memory as [D][32], and walks chunks c0 .. c0+nch-1. 128 threads: thread (rg = tid/8, cg = tid%8)
+// holds rows 4rg .. 4rg+3 x columns 4cg .. 4cg+3 of Vt and O, and state rows rg*D/16 .. +D/16-1 x the
+// same 4 columns. The record's tiles (D/32 slices of W^T|Qg^T, M^T, two halves of Kd) stream through a
+// 3-stage cp.async ring of 16 KB; U and eGL go straight to registers.
+#define KDA_SCAN_THREADS 128
+#define KDA_NSTAGE 3
+#define KDA_TILE 4096
+
+// Issues the copy of tile `gi` (chunk gi / NT, tile gi % NT) into its ring slot; always commits a group.
+__device__ __forceinline__ void kda_scan_issue(const float* ws, i64 wsz, int H, int h, int D, int NT, int total, int gi, float* ring) {
+    if (gi < total) {
+        int c = gi / NT, t = gi - c * NT, ns = D >> 5;
+        const float* src = ws + (i64)(c * H + h) * wsz;
+        int n;
+        if (t <= ns) { src += t * KDA_TILE; n = KDA_TILE; }                     // W^T|Qg^T slice t, or M^T (t == ns)
+        else { src += (ns + 1) * KDA_TILE + (t - ns - 1) * 32 * D; n = 32 * D; }  // Kd rows 32(t-ns-1) ..
+        float* dst = ring + (gi % KDA_NSTAGE) * KDA_TILE;
+        for (int e = threadIdx.x * 4; e < n; e += KDA_SCAN_THREADS * 4) kda_cp16(dst + e, src + e);
+    }
+    kda_cp_commit();
+}
+
+template <int RPT>
+__device__ __forceinline__ void kda_scan_body(float* sm, const float* __restrict__ ws, float* __restrict__ S,
+        float* __restrict__ out, int T, int H, int c0, int nch) {
+    constexpr int D = RPT * 16;
+    constexpr int ns = D / 32, NT = ns + 3;
+    float* ring = sm;                           // [3][4096]
+    float* Ss = ring + KDA_NSTAGE * KDA_TILE;   // [D][32]
+    float* Vt = Ss + D * 32;                    // [64][32]
+    int h = blockIdx.x, cb = blockIdx.y * 32;
+    int tid = threadIdx.x, rg = tid >> 3, cg = tid & 7;
     i64 wsz = kda_ws_floats(D);
-    for (int c = 0; c < nch; ++c) {
-        const float* W = ws + (i64)(c * H + h) * wsz;
-        const float4* Wm4 = (const float4*)W;
-        const float4* U4 = (const float4*)(W + KC * D);
-        const float4* Qg4 = (const float4*)(W + 2 * KC * D);
-        const float4* Kd4 = (const float4*)(W + 3 * KC * D);
-        const float4* M4 = (const float4*)(W + 4 * KC * D);
-        const float* eGL = W + 4 * KC * D + KC * KC;
+    float* Sg = S + (i64)h * D * D + cb;
+    for (int e = tid; e < D * 8; e += KDA_SCAN_THREADS) {
+        int r = e >> 3, q4 = (e & 7) << 2;
+        *(float4*)(Ss + r * 32 + q4) = *(const float4*)(Sg + (i64)r * D + q4);
+    }
+    int total = nch * NT;
+#pragma unroll
+    for (int s = 0; s < KDA_NSTAGE - 1; ++s) kda_scan_issue(ws, wsz, H, h, D, NT, total, s, ring);
+    float vv[4][4], oo[4][4], sn[RPT][4], egl[RPT];
+    float4 u4[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) u4[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) egl[m] = 0.0f;
+    for (int gi = 0; gi < total; ++gi) {
+        kda_cp_wait<KDA_NSTAGE - 2>();
         __syncthreads();
-        for (int e = tid; e < KC * D / 4; e += blockDim.x) {
-            ((float4*)B1)[e] = Wm4[e];
-            ((float4*)B2)[e] = Qg4[e];
-            ((float4*)Vt)[e] = U4[e];
-        }
-        for (int e = tid; e < KC * KC / 4; e += blockDim.x) ((float4*)Ms)[e] = M4[e];
-        for (int d = tid; d < D; d += blockDim.x) eg[d] = eGL[d];
-        __syncthreads();
-        float vv[8][4], oo[8][4];
+        kda_scan_issue(ws, wsz, H, h, D, NT, total, gi + KDA_NSTAGE - 1, ring);
+        const float* tile = ring + (gi % KDA_NSTAGE) * KDA_TILE;
+        int c = gi / NT, t = gi - c * NT;
+        if (t < ns) {
+            // Vt -= W S, O = Qg S over keys 32t .. 32t+31
+            if (t == 0) {
 #pragma unroll
-        for (int m = 0; m < 8; ++m)
+                for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) { vv[m][qq] = 0.0f; oo[m][qq] = 0.0f; }
-        for (int d = 0; d < D; ++d) {
-            float s[4];
+                    for (int qq = 0; qq < 4; ++qq) { vv[r][qq] = 0.0f; oo[r][qq] = 0.0f; }
+                const float* U = ws + (i64)(c * H + h) * wsz + 128 * D + KC * KC + KC * D;
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) s[qq] = qq < CQ ? Ss[d * D + lane + 32 * qq] : 0.0f;
+                for (int r = 0; r < 4; ++r) u4[r] = __ldg((const float4*)(U + (4 * rg + r) * D + cb + 4 * cg));
+                const float* E = U + KC * D + rg * RPT;
 #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                int r = warp + 8 * m;
-                float w = B1[r * D + d], qg = B2[r * D + d];
-#pragma unroll
-                for (int qq = 0; qq < 4; ++qq) { vv[m][qq] += w * s[qq]; oo[m][qq] += qg * s[qq]; }
+                for (int m = 0; m < RPT; ++m) egl[m] = __ldg(E + m);
             }
-        }
-        // corrected values (each thread owns its elements of Vt)
+            const float* Sk = Ss + t * 32 * 32 + 4 * cg;
+#pragma unroll 8
+            for (int kk = 0; kk < 32; ++kk) {
+                float4 w = *(const float4*)(tile + kk * KC + 4 * rg);
+                float4 qg = *(const float4*)(tile + 2048 + kk * KC + 4 * rg);
+                float4 s = *(const float4*)(Sk + kk * 32);
+                float W4[4] = {w.x, w.y, w.z, w.w}, Q4[4] = {qg.x, qg.y, qg.z, qg.w}, S4[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-        for (int m = 0; m < 8; ++m)
+                for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq)
-                if (qq < CQ) { int i = (warp + 8 * m) * D + lane + 32 * qq; Vt[i] = Vt[i] - vv[m][qq]; }
-        __syncthreads();
-        for (int e = tid; e < KC * D / 4; e += blockDim.x) ((float4*)B1)[e] = Kd4[e];
-        for (int j = 0; j < KC; ++j) {
-            float vj[4];
-#pragma unroll
-            for (int qq = 0; qq < 4; ++qq) vj[qq] = qq < CQ ? Vt[j * D + lane + 32 * qq] : 0.0f;
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                float mm = Ms[(warp + 8 * m) * KC + j];
-#pragma unroll
-                for (int qq = 0; qq < 4; ++qq) oo[m][qq] += mm * vj[qq];
+                    for (int qq = 0; qq < 4; ++qq) { vv[r][qq] += W4[r] * S4[qq]; oo[r][qq] += Q4[r] * S4[qq]; }
             }
-        }
-        i64 tbase = (i64)(c0 + c) * KC;
+            if (t == ns - 1) {
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            i64 t = tbase + warp + 8 * m;
-            if (t < T) {
-#pragma unroll
-                for (int qq = 0; qq < 4; ++qq)
-                    if (qq < CQ) out[t * H * D + (i64)h * D + lane + 32 * qq] = oo[m][qq];
+                for (int r = 0; r < 4; ++r)
+                    *(float4*)(Vt + (4 * rg + r) * 32 + 4 * cg) =
+                        make_float4(u4[r].x - vv[r][0], u4[r].y - vv[r][1], u4[r].z - vv[r][2], u4[r].w - vv[r][3]);
             }
-        }
-        __syncthreads();
-        // state update: rows d = warp + 8*m2 (m2 < D/8), columns lane + 32q
-        float sn[16][4];
+        } else if (t == ns) {
+            // O += M Vt, then out
+#pragma unroll 8
+            for (int j = 0; j < KC; ++j) {
+                float4 m = *(const float4*)(tile + j * KC + 4 * rg);
+                float4 vt = *(const float4*)(Vt + j * 32 + 4 * cg);
+                float M4[4] = {m.x, m.y, m.z, m.w}, V4[4] = {vt.x, vt.y, vt.z, vt.w};
 #pragma unroll
-        for (int m2 = 0; m2 < 16; ++m2)
+                for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) sn[m2][qq] = 0.0f;
-        int RD = D / 8;
-        for (int r = 0; r < KC; ++r) {
-            float vr[4];
+                    for (int qq = 0; qq < 4; ++qq) oo[r][qq] += M4[r] * V4[qq];
+            }
+            i64 tb = (i64)(c0 + c) * KC + 4 * rg;
 #pragma unroll
-            for (int qq = 0; qq < 4; ++qq) vr[qq] = qq < CQ ? Vt[r * D + lane + 32 * qq] : 0.0f;
+            for (int r = 0; r < 4; ++r)
+                if (tb + r < T) *(float4*)(out + (tb + r) * H * D + (i64)h * D + cb + 4 * cg) = make_float4(oo[r][0], oo[r][1], oo[r][2], oo[r][3]);
+        } else {
+            // S = eGL . S + Kd^T Vt, Kd rows 32u .. 32u+31
+            int u = t - ns - 1;
+            if (u == 0) {
 #pragma unroll
-            for (int m2 = 0; m2 < 16; ++m2) {
-                if (m2 < RD) {
-                    float kd = B1[r * D + warp + 8 * m2];
+                for (int m = 0; m < RPT; ++m)
 #pragma unroll
-                    for (int qq = 0; qq < 4; ++qq) sn[m2][qq] += kd * vr[qq];
+                    for (int qq = 0; qq < 4; ++qq) sn[m][qq] = 0.0f;
+            }
+#pragma unroll 4
+            for (int jj = 0; jj < 32; ++jj) {
+                float4 vt = *(const float4*)(Vt + (32 * u + jj) * 32 + 4 * cg);
+                float V4[4] = {vt.x, vt.y, vt.z, vt.w}, kd[RPT];
+                const float* kr = tile + jj * D + rg * RPT;
+                if constexpr (RPT % 4 == 0) {
+#pragma unroll
+                    for (int m = 0; m < RPT; m += 4) {
+                        float4 a = *(const float4*)(kr + m);
+                        kd[m] = a.x; kd[m + 1] = a.y; kd[m + 2] = a.z; kd[m + 3] = a.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int m = 0; m < RPT; m += 2) {
+                        float2 a = *(const float2*)(kr + m);
+                        kd[m] = a.x; kd[m + 1] = a.y;
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < RPT; ++m)
+#pragma unroll
+                    for (int qq = 0; qq < 4; ++qq) sn[m][qq] += kd[m] * V4[qq];
+            }
+            if (u == 1) {
+#pragma unroll
+                for (int m = 0; m < RPT; ++m) {
+                    float* sp = Ss + (rg * RPT + m) * 32 + 4 * cg;
+                    float4 s = *(float4*)sp;
+                    s.x = egl[m] * s.x + sn[m][0];
+                    s.y = egl[m] * s.y + sn[m][1];
+                    s.z = egl[m] * s.z + sn[m][2];
+                    s.w = egl[m] * s.w + sn[m][3];
+                    *(float4*)sp = s;
                 }
             }
         }
-#pragma unroll
-        for (int m2 = 0; m2 < 16; ++m2)
-            if (m2 < RD) {
-                int d = warp + 8 * m2;
-#pragma unroll
-                for (int qq = 0; qq < 4; ++qq)
-                    if (qq < CQ) { int i = d * D + lane + 32 * qq; Ss[i] = eg[d] * Ss[i] + sn[m2][qq]; }
-            }
     }
+    kda_cp_wait<0>();
     __syncthreads();
-    for (int e = tid; e < D * D; e += blockDim.x) Sg[e] = Ss[e];
+    for (int e = tid; e < D * 8; e += KDA_SCAN_THREADS) {
+        int r = e >> 3, q4 = (e & 7) << 2;
+        *(float4*)(Sg + (i64)r * D + q4) = *(const float4*)(Ss + r * 32 + q4);
+    }
+}
+
+// Shared memory: (3 * 4096 + 32 D + 64 * 32) floats (73,728 bytes at D = 128: three blocks per SM).
+extern "C" __global__ void __launch_bounds__(KDA_SCAN_THREADS, 3) kda_chunk_scan(const float* __restrict__ ws,
+        float* __restrict__ S, float* __restrict__ out, int T, int H, int D, int c0, int nch) {
+    extern __shared__ float sm[];
+    switch (D) {
+        case 32: kda_scan_body<2>(sm, ws, S, out, T, H, c0, nch); break;
+        case 64: kda_scan_body<4>(sm, ws, S, out, T, H, c0, nch); break;
+        case 96: kda_scan_body<6>(sm, ws, S, out, T, H, c0, nch); break;
+        case 128: kda_scan_body<8>(sm, ws, S, out, T, H, c0, nch); break;
+        default: break;
+    }
 }
 
 // o[t, h, :] = RMSNorm_D(o; w, eps) * sigmoid(r[t, h, :]) (fla FusedRMSNormGated, sigmoid).

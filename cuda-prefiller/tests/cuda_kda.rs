@@ -46,7 +46,17 @@ fn run<B: Backend>(b: &B, inp: &Inputs, t: usize, d: KdaDims, chunked: bool) -> 
 #[test]
 fn cuda_kda_chunked_matches_cpu() {
     let Some(gpu) = cuda(Precision::F32) else { return };
-    for (t, d, seed) in [(300usize, KdaDims { heads: 2, head_dim: 32 }, 1u64), (200, KdaDims { heads: 3, head_dim: 128 }, 2), (64, KdaDims { heads: 2, head_dim: 64 }, 3), (5, KdaDims { heads: 2, head_dim: 128 }, 4)] {
+    // last two: K3's head width with several heads and a partial last chunk; head_dim 96 (the
+    // scan's 6-rows-per-thread path)
+    let cases = [
+        (300usize, KdaDims { heads: 2, head_dim: 32 }, 1u64),
+        (200, KdaDims { heads: 3, head_dim: 128 }, 2),
+        (64, KdaDims { heads: 2, head_dim: 64 }, 3),
+        (5, KdaDims { heads: 2, head_dim: 128 }, 4),
+        (517, KdaDims { heads: 8, head_dim: 128 }, 8),
+        (130, KdaDims { heads: 2, head_dim: 96 }, 9),
+    ];
+    for (t, d, seed) in cases {
         let inp = inputs(t, d, seed);
         let (o_ref, s_ref) = run(&CpuBackend, &inp, t, d, false);
         let (o_c, s_c) = run(&CpuBackend, &inp, t, d, true);

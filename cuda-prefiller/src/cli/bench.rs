@@ -681,10 +681,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The chunked KDA's kernels timed apart on the inputs `[q, k, v, g, beta]` (96 heads x 128):
-/// (prep, solve, scan) ms, each summed over the workspace segments, median of `reps`. `v0`: the
-/// previous two kernels (prep, 0, scan).
-fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: usize, reps: usize, v0: bool) -> Result<(f64, f64, f64)> {
+/// The chunked KDA's three kernels timed apart on the inputs `[q, k, v, g, beta]` (96 heads x
+/// 128): (prep, solve, scan) ms, each summed over the workspace segments, median of `reps`.
+fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: usize, reps: usize) -> Result<(f64, f64, f64)> {
     use crate::cuda::kernels as kk;
     let g = b.gpu.clone();
     let (h, d) = (96usize, 128usize);
@@ -702,21 +701,11 @@ fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: u
             let n = seg.min(nch_total - c0);
             let ev = [g.event()?, g.event()?, g.event()?, g.event()?];
             ev[0].record(g.stream())?;
-            if v0 {
-                kk::kda_chunk_prep_v0(&g, q.ptr(), k.ptr(), v.ptr(), gg.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
-            } else {
-                kk::kda_chunk_prep(&g, q.ptr(), k.ptr(), gg.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
-            }
+            kk::kda_chunk_prep(&g, q.ptr(), k.ptr(), gg.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
             ev[1].record(g.stream())?;
-            if !v0 {
-                kk::kda_chunk_solve(&g, v.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
-            }
+            kk::kda_chunk_solve(&g, v.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
             ev[2].record(g.stream())?;
-            if v0 {
-                kk::kda_chunk_scan_v0(&g, ws.ptr, s.ptr(), out.ptr(), t, h, d, c0, n)?;
-            } else {
-                kk::kda_chunk_scan(&g, ws.ptr, s.ptr(), out.ptr(), t, h, d, c0, n)?;
-            }
+            kk::kda_chunk_scan(&g, ws.ptr, s.ptr(), out.ptr(), t, h, d, c0, n)?;
             ev[3].record(g.stream())?;
             ev[3].sync()?;
             for (i, x) in sum.iter_mut().enumerate() {
@@ -731,7 +720,7 @@ fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: u
         }
     }
     let [p, so, sc] = ms.map(median);
-    eprintln!("KDA {} at {t} tokens: prep {p:.1} ms + solve {so:.1} ms + scan {sc:.1} ms ({seg} chunks per segment)", if v0 { "previous kernels" } else { "kernels" });
+    eprintln!("KDA at {t} tokens: prep {p:.1} ms + solve {so:.1} ms + scan {sc:.1} ms ({seg} chunks per segment)");
     Ok((p, so, sc))
 }
 
@@ -779,19 +768,14 @@ fn kernels(args: &Args) -> Result<()> {
                 times.push(e0.ms_to(&e1)? as f64);
             }
         }
-        let parts = if args.kda_only {
-            let ins = [&q, &k, &v, &gg, &beta];
-            Some((kda_breakdown(&b, ins, t, args.reps, false)?, kda_breakdown(&b, ins, t, args.reps, true)?))
-        } else {
-            None
-        };
+        let parts = if args.kda_only { Some(kda_breakdown(&b, [&q, &k, &v, &gg, &beta], t, args.reps)?) } else { None };
         drop((q, k, v, gg, beta));
         let kda_ms = median(times);
         // chunk products only (the same count layer_flops uses)
         let per_chunk = 2.0 * (64.0 * 65.0 / 2.0) * d as f64 * 2.0 + 64.0 * 64.0 * 2.0 * d as f64 + 2.0 * 64.0 * (d * d) as f64 * 3.0 + 64.0 * 64.0 * d as f64;
         let kflops = (t as f64 / 64.0).ceil() * h as f64 * per_chunk;
-        if let Some(((prep_ms, solve_ms, scan_ms), (prep0_ms, _, scan0_ms))) = parts {
-            let r = serde_json::json!({ "tokens": t, "kda_ms": kda_ms, "kda_tflops": kflops / kda_ms / 1e9, "kda_prep_ms": prep_ms, "kda_solve_ms": solve_ms, "kda_scan_ms": scan_ms, "v0_prep_ms": prep0_ms, "v0_scan_ms": scan0_ms });
+        if let Some((prep_ms, solve_ms, scan_ms)) = parts {
+            let r = serde_json::json!({ "tokens": t, "kda_ms": kda_ms, "kda_tflops": kflops / kda_ms / 1e9, "kda_prep_ms": prep_ms, "kda_solve_ms": solve_ms, "kda_scan_ms": scan_ms });
             println!("{r}");
             continue;
         }

@@ -636,18 +636,19 @@ impl Backend for CudaBackend {
         if t == 0 {
             return Ok(out);
         }
-        if d % 32 != 0 || d > 128 {
-            // the chunked kernel's tiling needs these; the recurrence is the same function
+        if !k::kda_chunked_supported(&self.gpu, d) {
+            // the chunked kernels' tiling (or shared memory) does not fit; the recurrence is the same function
             return self.kda_recurrent(q, kk, v, g, beta, state, dims);
         }
         let nch_total = t.div_ceil(64);
         let per_chunk = k::kda_ws_floats(d) * h * 4;
-        let seg = ((2usize << 30) / per_chunk).clamp(1, nch_total);
+        let seg = k::kda_segment_chunks(h, d, nch_total);
         let ws = self.gpu.alloc(seg * per_chunk)?;
         let mut c0 = 0;
         while c0 < nch_total {
             let n = seg.min(nch_total - c0);
-            k::kda_chunk_prep(&self.gpu, q.ptr(), kk.ptr(), v.ptr(), g.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            k::kda_chunk_prep(&self.gpu, q.ptr(), kk.ptr(), g.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            k::kda_chunk_solve(&self.gpu, v.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
             k::kda_chunk_scan(&self.gpu, ws.ptr, state.ptr(), out.ptr(), t, h, d, c0, n)?;
             c0 += n;
         }

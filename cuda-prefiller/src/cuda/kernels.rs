@@ -170,26 +170,70 @@ pub fn sigmoid(gpu: &Gpu, x: P, y: P, n: usize) -> Result<()> {
 
 /// Floats of one (chunk, head) workspace entry of the chunked KDA (mirrors `kda_ws_floats`).
 pub fn kda_ws_floats(d: usize) -> usize {
-    4 * 64 * d + 64 * 64 + d
+    4 * 64 * d + 2 * 64 * 64 + d
 }
 
+/// Whether the chunked KDA kernels run for `head_dim` on this device (tiling: a multiple of 32,
+/// at most 128; shared memory: 96 KiB at 128).
+pub fn kda_chunked_supported(gpu: &Gpu, d: usize) -> bool {
+    d.is_multiple_of(32) && d <= 128 && kda_prep_smem(d) <= gpu.smem_optin.max(0) as usize
+}
+
+/// Chunks per prep/scan segment of the chunked KDA: the workspace is held to about 2 GiB.
+pub fn kda_segment_chunks(h: usize, d: usize, nch_total: usize) -> usize {
+    ((2usize << 30) / (kda_ws_floats(d) * h * 4)).clamp(1, nch_total.max(1))
+}
+
+fn kda_prep_smem(d: usize) -> usize {
+    (64 + 3 * 64 * d) * 4
+}
+
+/// Asks for the largest shared-memory carveout, so that the blocks per SM the kernels are sized
+/// for (two prep, three scan) fit.
+fn max_carveout(f: super::gpu::Func, what: &str) -> Result<()> {
+    use cudarc::driver::sys;
+    // SAFETY: f is a loaded kernel; the attribute takes a percentage.
+    unsafe { super::gpu::ck(sys::cuFuncSetAttribute(f.0, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100), what) }
+}
+
+/// The state-independent products of chunks `c0 .. c0+nch` that need no solve (one block of 288
+/// threads per chunk and head; two blocks per SM at head_dim 128). [`kda_chunk_solve`] follows.
 #[allow(clippy::too_many_arguments)]
-pub fn kda_chunk_prep(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
+pub fn kda_chunk_prep(gpu: &Gpu, q: P, k: P, g: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
+    if !d.is_multiple_of(32) || d > 128 {
+        bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
+    }
     let f = gpu.func("kda", &[], "kda_chunk_prep")?;
-    let smem = ((4 * 64 * d + 64 * 64 + 64) * 4) as u32;
-    let mut a = KArgs::new().arg(q).arg(k).arg(v).arg(g).arg(beta).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(ws);
-    gpu.launch(f, (nch as u32, h as u32, 1), (256, 1, 1), smem, &mut a, "kda_chunk_prep")
+    max_carveout(f, "kda_chunk_prep: shared memory carveout")?;
+    let mut a = KArgs::new().arg(q).arg(k).arg(g).arg(beta).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(ws);
+    gpu.launch(f, (nch as u32, h as u32, 1), (288, 1, 1), kda_prep_smem(d) as u32, &mut a, "kda_chunk_prep")
 }
 
+/// W and U of chunks `c0 .. c0+nch` by forward substitution (one block of 256 threads per chunk and
+/// head, one thread per column), after [`kda_chunk_prep`] on the same workspace.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_chunk_solve(gpu: &Gpu, v: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
+    if !d.is_multiple_of(32) || d > 128 {
+        bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
+    }
+    let f = gpu.func("kda", &[], "kda_chunk_solve")?;
+    let smem = ((64 * 64 + 64) * 4) as u32;
+    let mut a = KArgs::new().arg(v).arg(beta).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(ws);
+    gpu.launch(f, (nch as u32, h as u32, 1), (256, 1, 1), smem, &mut a, "kda_chunk_solve")
+}
+
+/// Walks chunks `c0 .. c0+nch` in order: one block of 128 threads per head and 32 value columns
+/// of its state (three blocks per SM at head_dim 128).
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunk_scan(gpu: &Gpu, ws: P, s: P, out: P, t: usize, h: usize, d: usize, c0: usize, nch: usize) -> Result<()> {
-    if d % 32 != 0 || d > 128 {
+    if !d.is_multiple_of(32) || d > 128 {
         bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
     }
     let f = gpu.func("kda", &[], "kda_chunk_scan")?;
-    let smem = ((d * d + 3 * 64 * d + 64 * 64 + d) * 4) as u32;
+    max_carveout(f, "kda_chunk_scan: shared memory carveout")?;
+    let smem = ((3 * 4096 + 32 * d + 64 * 32) * 4) as u32;
     let mut a = KArgs::new().arg(ws).arg(s).arg(out).arg(t as i32).arg(h as i32).arg(d as i32).arg(c0 as i32).arg(nch as i32);
-    gpu.launch(f, (h as u32, 1, 1), (256, 1, 1), smem, &mut a, "kda_chunk_scan")
+    gpu.launch(f, (h as u32, (d / 32) as u32, 1), (128, 1, 1), smem, &mut a, "kda_chunk_scan")
 }
 
 #[allow(clippy::too_many_arguments)]
