@@ -70,6 +70,7 @@ def main():
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)
         sys.exit("k3-prefill bench --kernels failed")
+    print(out.stdout, file=sys.stderr, flush=True)  # our kernel table, for the log
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
