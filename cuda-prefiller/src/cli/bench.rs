@@ -376,6 +376,15 @@ fn project(args: &Args) -> Result<()> {
     );
     let p = Proj { b: &b, d, lay, regions, attn, units, dense_slots, expert_slots, whole, chunk };
     let mut streamer = WeightStreamer::new(b.gpu.clone(), args.stage_mib << 20, args.readers)?;
+    // Warm-up, untimed: the kernels compile (NVRTC) at first use, which would otherwise land in
+    // the first timed run. 8192 tokens reach every kernel the timed lengths use (incl. the dense
+    // expert path, taken from 128 rows per expert).
+    if let Some(&t_max) = args.tokens.iter().max() {
+        let w0 = Instant::now();
+        run_mode(&p, &mut streamer, t_max.min(8192), args, Mode::Compute)?;
+        profile::reset();
+        eprintln!("warm-up (kernel compilation, {} tokens): {:.1} s", t_max.min(8192), w0.elapsed().as_secs_f64());
+    }
     let mut rows = Vec::new();
     for &t in &args.tokens {
         let mut row = ProjRow { tokens: t, layers_run: args.layers, experts: p.d.experts, whole_layer_slots: p.whole, expert_chunk: p.chunk, ..Default::default() };
@@ -548,75 +557,88 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
             let (e, _) = upload(st, i, None)?;
             e.sync()?;
         }
-        if mode != Mode::Transfer {
-            let e0 = g.event()?;
-            e0.record(g.stream())?;
-            if mode == Mode::Overlap {
-                ready[i].as_ref().expect("uploaded").wait_on(g.stream())?;
-            }
-            let e1 = g.event()?;
-            e1.record(g.stream())?;
-            match p.units[i] {
-                Unit::Dense { l, whole } => {
-                    dense_slot_of_layer[l] = slot_of[i];
-                    let lay = &p.lay[li(p.attn[l])];
-                    let base = p.dense_slots[slot_of[i]].ptr;
-                    let w = LayerWeights::view(b, lay, base);
-                    let stt = states[l].as_mut().expect("state");
-                    plans.clear();
-                    new_p.clear();
-                    for ci in 0..nchunks {
-                        let bank_refs: Vec<&crate::cuda::backend::CudaBuf> = bank[ci].iter().collect();
-                        let (p2, xn2) = sl::attention(b, &w, &p.d, &bank_refs, &pc[ci], stt, ci * c)?;
-                        let (plan, sh) = sl::moe_front(b, &w, &p.d, &xn2)?;
-                        drop(xn2);
-                        if whole {
-                            b.moe_run_chunk(&plan, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
-                            profile::mark(g, "routed experts")?;
-                            let mut p2 = p2;
-                            sl::moe_back(b, &w, &p.d, &plan, &sh, &mut p2)?;
-                            pc[ci] = p2;
-                        } else {
-                            plans.push((plan, sh));
-                            new_p.push(p2);
-                        }
-                    }
+        // The next unit's upload runs on its own thread while this one computes: staging from
+        // pageable memory is host work, and the compute thread blocks at times (the dense expert
+        // path reads the per-expert row counts back), so on one thread the two would take turns.
+        // The slot of unit i+1 was last read by unit i-1 or earlier (two slots per ring,
+        // in-order compute stream).
+        let free = if mode == Mode::Overlap && i >= 1 { done[i - 1].take() } else { None };
+        let next = (mode != Mode::Compute && i + 1 < p.units.len()).then_some(i + 1);
+        let upload = &upload;
+        let st_next = &mut *st;
+        std::thread::scope(|sc| -> Result<()> {
+            let up = next.map(|n| {
+                let free = free.as_ref();
+                sc.spawn(move || upload(st_next, n, free))
+            });
+            if mode != Mode::Transfer {
+                let e0 = g.event()?;
+                e0.record(g.stream())?;
+                if mode == Mode::Overlap {
+                    ready[i].as_ref().expect("uploaded").wait_on(g.stream())?;
                 }
-                Unit::Experts { l, lo, hi } => {
-                    let lay = &p.lay[li(p.attn[l])];
-                    profile::mark(g, "-")?;
-                    for (plan, _) in &plans {
-                        b.moe_run_chunk(plan, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
-                    }
-                    profile::mark(g, "routed experts")?;
-                    if hi == p.d.experts {
-                        let w = LayerWeights::view(b, lay, p.dense_slots[dense_slot_of_layer[l]].ptr);
-                        for (ci, (plan, sh)) in plans.iter().enumerate() {
-                            sl::moe_back(b, &w, &p.d, plan, sh, &mut new_p[ci])?;
-                        }
-                        for (ci, np) in new_p.drain(..).enumerate() {
-                            pc[ci] = np;
-                        }
+                let e1 = g.event()?;
+                e1.record(g.stream())?;
+                match p.units[i] {
+                    Unit::Dense { l, whole } => {
+                        dense_slot_of_layer[l] = slot_of[i];
+                        let lay = &p.lay[li(p.attn[l])];
+                        let base = p.dense_slots[slot_of[i]].ptr;
+                        let w = LayerWeights::view(b, lay, base);
+                        let stt = states[l].as_mut().expect("state");
                         plans.clear();
+                        new_p.clear();
+                        for ci in 0..nchunks {
+                            let bank_refs: Vec<&crate::cuda::backend::CudaBuf> = bank[ci].iter().collect();
+                            let (p2, xn2) = sl::attention(b, &w, &p.d, &bank_refs, &pc[ci], stt, ci * c)?;
+                            let (plan, sh) = sl::moe_front(b, &w, &p.d, &xn2)?;
+                            drop(xn2);
+                            if whole {
+                                b.moe_run_chunk(&plan, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
+                                profile::mark(g, "routed experts")?;
+                                let mut p2 = p2;
+                                sl::moe_back(b, &w, &p.d, &plan, &sh, &mut p2)?;
+                                pc[ci] = p2;
+                            } else {
+                                plans.push((plan, sh));
+                                new_p.push(p2);
+                            }
+                        }
+                    }
+                    Unit::Experts { l, lo, hi } => {
+                        let lay = &p.lay[li(p.attn[l])];
+                        profile::mark(g, "-")?;
+                        for (plan, _) in &plans {
+                            b.moe_run_chunk(plan, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
+                        }
+                        profile::mark(g, "routed experts")?;
+                        if hi == p.d.experts {
+                            let w = LayerWeights::view(b, lay, p.dense_slots[dense_slot_of_layer[l]].ptr);
+                            for (ci, (plan, sh)) in plans.iter().enumerate() {
+                                sl::moe_back(b, &w, &p.d, plan, sh, &mut new_p[ci])?;
+                            }
+                            for (ci, np) in new_p.drain(..).enumerate() {
+                                pc[ci] = np;
+                            }
+                            plans.clear();
+                        }
                     }
                 }
+                let e2 = g.event()?;
+                e2.record(g.stream())?;
+                ev_t.push((i, e0, e1, e2));
+                let d = g.event()?;
+                d.record(g.stream())?;
+                done[i] = Some(d);
             }
-            let e2 = g.event()?;
-            e2.record(g.stream())?;
-            ev_t.push((i, e0, e1, e2));
-            let d = g.event()?;
-            d.record(g.stream())?;
-            done[i] = Some(d);
-        }
-        if mode != Mode::Compute && i + 1 < p.units.len() {
-            // the slot of unit i+1 was last read by unit i-1 or earlier (two slots per ring,
-            // in-order compute stream)
-            let free = if mode == Mode::Overlap && i >= 1 { done[i - 1].as_ref() } else { None };
-            let (e, s) = upload(st, i + 1, free)?;
-            bytes += s.bytes;
-            fill += s.fill_s;
-            ready[i + 1] = Some(e);
-        }
+            if let Some(h) = up {
+                let (e, s) = h.join().map_err(|_| anyhow::anyhow!("unit {}: the upload thread panicked", i + 1))??;
+                bytes += s.bytes;
+                fill += s.fill_s;
+                ready[i + 1] = Some(e);
+            }
+            Ok(())
+        })?;
     }
     g.sync()?;
     g.sync_copy()?;
