@@ -103,17 +103,12 @@ __device__ __forceinline__ i64 kda_ws_floats(int D) { return 4LL * KC * D + 2 * 
 #define KDA_PREP_THREADS 288
 #define KDA_PAIR_ITEMS 272  // 4 (rows i) x 2 (columns j) tiles covering j <= i of the 64x64 pair matrix
 
-__device__ __forceinline__ u32 kda_smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 __device__ __forceinline__ void kda_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(kda_smem_u32(dst)), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 }
 // 16 bytes, or zeros when `bytes` is 0 (src is then not read)
 __device__ __forceinline__ void kda_cp16z(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kda_smem_u32(dst)), "l"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void kda_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void kda_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

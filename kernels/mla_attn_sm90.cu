@@ -34,11 +34,6 @@
 
 #define W_QP (MLA_DQK / 64)  // 64-column panels of Q and K
 
-__device__ __forceinline__ u32 sh_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 __device__ __forceinline__ void cp16(u32 dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
@@ -53,16 +48,6 @@ __device__ __forceinline__ unsigned long long sw128_desc(u32 addr) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // ---- wgmma wrappers (operand lists written out by a script; m64nNk16, bf16 in, f32 accumulate)
 // D[64x128] (+)= A[64x16] (shared, descriptor) * B[16x128] (shared, descriptor); both K-major.
@@ -122,7 +107,7 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
     constexpr int PV = MLA_DV * 128;       // bytes of one V^T panel (64 keys)
     constexpr int STAGE = W_QP * PK + (BK / 64) * PV;
     constexpr int NS = BK / 2;             // S accumulators per thread
-    const u32 sbase = (sh_addr(smraw) + 1023u) & ~1023u;
+    const u32 sbase = (smem_u32(smraw) + 1023u) & ~1023u;
     const int qb = gridDim.x - 1 - blockIdx.x;  // heaviest query blocks of a head first
     const int h = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
