@@ -70,7 +70,7 @@ pub enum GenEvent {
 /// Handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    jobs: mpsc::UnboundedSender<GenJob>,
+    engine: Arc<EngineThread>,
     pub vocab_size: usize,
     pub max_context: usize,
     /// Image support of the engine (None: the model has no vision tower).
@@ -88,7 +88,7 @@ impl EngineHandle {
         let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<GenJob>();
         type Ready = (usize, usize, Option<MediaSupport>);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<Ready>>();
-        std::thread::Builder::new().name("k3-engine".into()).spawn(move || {
+        let thread = std::thread::Builder::new().name("k3-engine".into()).spawn(move || {
             let mut engine = match make() {
                 Ok(e) => e,
                 Err(e) => {
@@ -103,12 +103,38 @@ impl EngineHandle {
             }
         })?;
         let (vocab_size, max_context, media) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
-        Ok(EngineHandle { jobs: jobs_tx, vocab_size, max_context, media })
+        Ok(EngineHandle { engine: Arc::new(EngineThread { jobs: Some(jobs_tx), thread: Some(thread) }), vocab_size, max_context, media })
     }
 
     /// Queues a job.
     pub fn submit(&self, job: GenJob) -> Result<(), String> {
-        self.jobs.send(job).map_err(|_| "the engine thread has stopped".to_string())
+        match &self.engine.jobs {
+            Some(jobs) => jobs.send(job).map_err(|_| "the engine thread has stopped".to_string()),
+            None => Err("the engine is shutting down".to_string()),
+        }
+    }
+}
+
+/// The engine thread and its queue, shared by the clones of an [`EngineHandle`].
+struct EngineThread {
+    /// `None` only while dropping (closing the queue ends the engine thread).
+    jobs: Option<mpsc::UnboundedSender<GenJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for EngineThread {
+    /// When the last handle goes: closes the queue and waits until the engine thread has
+    /// finished its job and dropped its
+    /// MLX state. Without the wait the process could reach its exit handlers (MLX's static
+    /// allocator going away) while that thread still frees arrays: heap corruption at exit,
+    /// seen as `corrupted double-linked list` aborts of a test binary after its tests passed.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
     }
 }
 
