@@ -64,14 +64,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=".devbin/k3-prefill")
     ap.add_argument("--tokens", default="8192,32768,131072")
+    ap.add_argument("--ours-json", help="our kernel rows (the JSON lines of `k3-prefill bench --kernels`) from an earlier run, instead of running it")
     a = ap.parse_args()
     ours = {}
-    out = subprocess.run([a.bin, "bench", "--kernels", "--tokens", a.tokens], capture_output=True, text=True)
-    if out.returncode != 0:
-        print(out.stderr, file=sys.stderr)
-        sys.exit("k3-prefill bench --kernels failed")
-    print(out.stdout, file=sys.stderr, flush=True)  # our kernel table, for the log
-    for line in out.stdout.splitlines():
+    if a.ours_json:
+        stdout = open(a.ours_json).read()
+    else:
+        out = subprocess.run([a.bin, "bench", "--kernels", "--tokens", a.tokens], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            sys.exit("k3-prefill bench --kernels failed")
+        stdout = out.stdout
+        print(stdout, file=sys.stderr, flush=True)  # our kernel table, for the log
+    for line in stdout.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             ours[r["tokens"]] = r
