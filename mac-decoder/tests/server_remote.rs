@@ -66,14 +66,7 @@ fn fingerprint(dir: &Path) -> Fingerprint {
 }
 
 fn tuning() -> Tuning {
-    Tuning {
-        idle_timeout: Duration::from_secs(2),
-        keep_alive: Duration::from_millis(300),
-        heartbeat: Duration::from_millis(300),
-        inactivity_timeout: Duration::from_secs(10),
-        stall_timeout: Duration::from_secs(5),
-        ..Tuning::default()
-    }
+    Tuning::quick_failure()
 }
 
 /// A prefill node's and a decoder's configs pinning each other's fresh certificates.

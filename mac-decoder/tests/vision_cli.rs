@@ -10,11 +10,7 @@ fn f32s(st: &SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {
     (t.shape().to_vec(), t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
 }
 
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
+use k3_protocol::testdata::rel_l2 as rel;
 
 fn check_backend(backend: &str) {
     let dir = k3_protocol::testdata::golden_dir("tiny-a");

@@ -19,7 +19,7 @@ use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{RemoteOptions, RemotePrefiller};
 
 pub use k3_protocol::process::MemoryLog;
-pub use k3_protocol::testdata::golden_dir;
+pub use k3_protocol::testdata::{golden_dir, rel_l2};
 
 pub use k3_protocol::process::init_test_logging as init_tracing;
 
@@ -27,14 +27,7 @@ pub use k3_protocol::process::init_test_logging as init_tracing;
 /// that expect success on a loaded 2-core box (a starved process can miss its keep-alives):
 /// [`paired`] uses the production limits.
 pub fn test_tuning() -> Tuning {
-    Tuning {
-        idle_timeout: Duration::from_secs(2),
-        keep_alive: Duration::from_millis(300),
-        heartbeat: Duration::from_millis(300),
-        inactivity_timeout: Duration::from_secs(10),
-        stall_timeout: Duration::from_secs(5),
-        ..Tuning::default()
-    }
+    Tuning::quick_failure()
 }
 
 /// A prefill node's and a decoder's configs that pin each other's fresh certificates.
@@ -117,16 +110,6 @@ pub fn cpu_prefill(model: &Model<CpuBackend>, tokens: &[u32]) -> (HandoffState, 
     (st, out.logits)
 }
 
-/// ‖a − b‖ / ‖b‖.
-pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += ((x - y) as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    (num / den.max(1e-300)).sqrt()
-}
 
 /// Top-1 minus top-2 of a logits row (how safe a greedy comparison is).
 pub fn top_margin(row: &[f32]) -> f32 {

@@ -47,20 +47,7 @@ impl Golden {
     }
 }
 
-/// `‖a − b‖ / ‖b‖` (f64 sums; `‖a‖` when `b` is zero).
-pub fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "rel: lengths differ");
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        num += (x as f64 - y as f64).powi(2);
-        den += (y as f64).powi(2);
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
+pub use k3_protocol::testdata::rel_l2 as rel;
 
 /// Per-row relative errors of two `[rows, width]` arrays.
 pub fn row_rel(a: &[f32], b: &[f32], width: usize) -> Vec<f64> {

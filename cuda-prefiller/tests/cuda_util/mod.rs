@@ -19,19 +19,7 @@ pub fn cuda(p: Precision) -> Option<CudaBackend> {
     }
 }
 
-/// `‖a − b‖ / ‖b‖` (NaN anywhere gives +inf).
-pub fn rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        if !x.is_finite() || !y.is_finite() {
-            return f64::INFINITY;
-        }
-        num += ((x - y) as f64).powi(2);
-        den += (y as f64).powi(2);
-    }
-    (num / den.max(1e-300)).sqrt()
-}
+pub use k3_protocol::testdata::rel_l2 as rel;
 
 pub fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let r = rel(got, want);

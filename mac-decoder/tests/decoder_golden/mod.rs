@@ -48,16 +48,7 @@ pub fn model_dir(set: &str) -> PathBuf {
     golden_dir(set)
 }
 
-/// ‖a − b‖ / ‖b‖.
-pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += ((x - y) as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    (num / den.max(1e-300)).sqrt()
-}
+pub use k3_protocol::testdata::rel_l2;
 
 /// Per-row relative L2 errors of two row-major `[rows, width]` matrices.
 pub fn row_errors(a: &[f32], b: &[f32], width: usize) -> Vec<f64> {

@@ -58,6 +58,20 @@ impl Default for Tuning {
 }
 
 impl Tuning {
+    /// Limits that notice a dead peer within about 2 s (loopback drills that kill a node).
+    /// Too tight where success is expected on a loaded machine: a starved process can miss its
+    /// keep-alives.
+    pub fn quick_failure() -> Tuning {
+        Tuning {
+            idle_timeout: std::time::Duration::from_secs(2),
+            keep_alive: std::time::Duration::from_millis(300),
+            heartbeat: std::time::Duration::from_millis(300),
+            inactivity_timeout: std::time::Duration::from_secs(10),
+            stall_timeout: std::time::Duration::from_secs(5),
+            ..Tuning::default()
+        }
+    }
+
     /// A quinn endpoint on `addr` whose UDP payloads may reach `mtu_upper_bound` (quinn's
     /// default caps them at 1472 bytes whatever the path allows).
     pub(crate) fn endpoint(&self, addr: std::net::SocketAddr, server: Option<quinn::ServerConfig>) -> std::io::Result<quinn::Endpoint> {
