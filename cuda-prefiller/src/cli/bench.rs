@@ -522,6 +522,22 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
             }
         }
     }
+    // The unit whose compute must end before unit i's slot may be overwritten: the previous
+    // expert unit on the same expert slot, or, for a dense slot, the last unit of the layer that
+    // held it (its expert units still read the dense weights in moe_back).
+    let layer_of = |u: &Unit| match *u {
+        Unit::Dense { l, .. } | Unit::Experts { l, .. } => l,
+    };
+    let free_after: Vec<Option<usize>> = (0..p.units.len())
+        .map(|i| {
+            let same_ring = |j: &usize| matches!(p.units[*j], Unit::Dense { .. }) == matches!(p.units[i], Unit::Dense { .. }) && slot_of[*j] == slot_of[i];
+            let prev = (0..i).rev().find(same_ring)?;
+            match p.units[i] {
+                Unit::Experts { .. } => Some(prev),
+                Unit::Dense { .. } => (prev..i).rev().find(|&j| layer_of(&p.units[j]) == layer_of(&p.units[prev])),
+            }
+        })
+        .collect();
     // the dense slot of each layer (expert units need the layer's dense weights for moe_back)
     let upload = |st: &mut WeightStreamer, i: usize, free: Option<&Event>| -> Result<(Event, crate::streamer::UploadStats)> {
         match p.units[i] {
@@ -562,15 +578,20 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         // path reads the per-expert row counts back), so on one thread the two would take turns.
         // The slot of unit i+1 was last read by unit i-1 or earlier (two slots per ring,
         // in-order compute stream).
-        let free = if mode == Mode::Overlap && i >= 1 { done[i - 1].take() } else { None };
         let next = (mode != Mode::Compute && i + 1 < p.units.len()).then_some(i + 1);
+        // the slot's previous user is unit i - 1 or earlier (two slots per ring)
+        let (done_before, done_now) = done.split_at_mut(i);
+        let free = match next.and_then(|n| free_after[n]) {
+            Some(f) if mode == Mode::Overlap => {
+                ensure!(f < i, "unit {}: its slot is freed by unit {f}, which has not been issued", i + 1);
+                done_before[f].as_ref()
+            }
+            _ => None,
+        };
         let upload = &upload;
         let st_next = &mut *st;
         std::thread::scope(|sc| -> Result<()> {
-            let up = next.map(|n| {
-                let free = free.as_ref();
-                sc.spawn(move || upload(st_next, n, free))
-            });
+            let up = next.map(|n| sc.spawn(move || upload(st_next, n, free)));
             if mode != Mode::Transfer {
                 let e0 = g.event()?;
                 e0.record(g.stream())?;
@@ -629,7 +650,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 ev_t.push((i, e0, e1, e2));
                 let d = g.event()?;
                 d.record(g.stream())?;
-                done[i] = Some(d);
+                done_now[0] = Some(d);
             }
             if let Some(h) = up {
                 let (e, s) = h.join().map_err(|_| anyhow::anyhow!("unit {}: the upload thread panicked", i + 1))??;

@@ -44,6 +44,12 @@ impl Blas {
     /// `ldy` (of y); W is dense `[n_out, k]`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(&self, ty: GemmType, x: CUdeviceptr, ldx: usize, w: CUdeviceptr, y: CUdeviceptr, ldy: usize, rows: usize, n_out: usize, k: usize) -> Result<()> {
+        self.gemm_beta(ty, x, ldx, w, y, ldy, rows, n_out, k, 0.0)
+    }
+
+    /// [`Blas::gemm`] with `y = x · Wᵀ + beta · y` (f32 `y`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_beta(&self, ty: GemmType, x: CUdeviceptr, ldx: usize, w: CUdeviceptr, y: CUdeviceptr, ldy: usize, rows: usize, n_out: usize, k: usize, beta: f32) -> Result<()> {
         if rows == 0 || n_out == 0 {
             return Ok(());
         }
@@ -53,7 +59,6 @@ impl Blas {
             bail!("gemm: leading dimensions {ldx}/{ldy} smaller than {k}/{n_out}");
         }
         let alpha = 1.0f32;
-        let beta = 0.0f32;
         let (dt, ct) = match ty {
             GemmType::F32 => (cb::cudaDataType::CUDA_R_32F, cb::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC),
             GemmType::Bf16 => (cb::cudaDataType::CUDA_R_16BF, cb::cublasComputeType_t::CUBLAS_COMPUTE_32F),

@@ -15,7 +15,7 @@ pub mod nvrtc;
 pub mod profile;
 pub mod synth_layer;
 
-pub use backend::{Bf16Parts, CudaBackend, Precision};
+pub use backend::{Bf16Parts, CudaBackend, Precision, SPLIT_GEMM_MIN_ROWS};
 pub use gpu::{DevMem, Gpu, PinnedBuf};
 
 /// Why no CUDA device can be used, or the device's name and compute capability.

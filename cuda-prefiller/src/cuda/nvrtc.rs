@@ -18,6 +18,7 @@ pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
 /// The kernel sources, by module name (`kernels/<name>.cu`).
 pub const SOURCES: &[(&str, &str)] = &[
     ("convert", include_str!("../../../kernels/convert.cu")),
+    ("bf16_split", include_str!("../../../kernels/bf16_split.cu")),
     ("rmsnorm", include_str!("../../../kernels/rmsnorm.cu")),
     ("situ", include_str!("../../../kernels/situ.cu")),
     ("attnres", include_str!("../../../kernels/attnres.cu")),
