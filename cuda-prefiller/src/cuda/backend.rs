@@ -8,7 +8,8 @@
 //!   registers (mma.sync) for short prompts, or per expert group into a BF16 scratch for
 //!   cuBLAS when the rows per expert are many ([`super::moe_dense`]), BF16 flash attention;
 //!   norms, gates, softmax, the router and the whole KDA recurrence stay f32, and values are
-//!   rounded to BF16 where the reference casts them.
+//!   rounded to BF16 where the reference casts them. The router's f32 GEMM runs at FP32 grade
+//!   on the tensor cores from [`SPLIT_GEMM_MIN_ROWS`] rows (three-way BF16 split).
 
 use std::sync::{Arc, Mutex};
 
@@ -23,6 +24,10 @@ use super::moe_dense::{self, MoeDenseCfg, MoePath};
 use crate::backend::{
     Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
+
+/// In BF16 mode, f32-weight GEMMs (the router) of at least this many rows run as six BF16
+/// part products (FP32 grade, tensor cores); shorter ones on IEEE fp32 cuBLAS.
+pub const SPLIT_GEMM_MIN_ROWS: usize = 1024;
 
 /// Arithmetic precision of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -295,10 +300,32 @@ impl CudaBackend {
             let xb = self.gpu.alloc(rows * w.cols * 2)?;
             k::f32_to_bf16_2d(&self.gpu, x, ldx, xb.ptr, rows, w.cols)?;
             self.blas.gemm(GemmType::Bf16, xb.ptr, w.cols, wb.ptr, y, ldy, rows, w.rows, w.cols)
+        } else if self.bf16() && rows >= SPLIT_GEMM_MIN_ROWS {
+            self.gemm_f32_split(x, ldx, rows, w, y, ldy)
         } else {
             let wf = w.f32_ptr("gemm")?;
             self.blas.gemm(GemmType::F32, x, ldx, wf, y, ldy, rows, w.rows, w.cols)
         }
+    }
+
+    /// An f32-weight GEMM (the router) at FP32 grade on the BF16 tensor cores: x and W split
+    /// into three bf16 parts each (kernels/bf16_split.cu), the six part products that reach
+    /// 2⁻²⁴ summed in f32, smallest first. IEEE fp32 cuBLAS (no TF32) runs these on the FP32
+    /// units at ~1/15 of the tensor rate: 42 ms against ~15 ms for a 131072-token K3 router.
+    fn gemm_f32_split(&self, x: CUdeviceptr, ldx: usize, rows: usize, w: &CudaWeight, y: CUdeviceptr, ldy: usize) -> Result<()> {
+        let (n, kk) = (w.rows, w.cols);
+        let wf = w.f32_ptr("gemm")?;
+        let g = &self.gpu;
+        let xp: Vec<DevMem> = (0..3).map(|_| g.alloc(rows * kk * 2)).collect::<Result<_>>()?;
+        let wp: Vec<DevMem> = (0..3).map(|_| g.alloc(n * kk * 2)).collect::<Result<_>>()?;
+        k::split_bf16x3(g, x, ldx, xp[0].ptr, xp[1].ptr, xp[2].ptr, rows, kk)?;
+        k::split_bf16x3(g, wf, kk, wp[0].ptr, wp[1].ptr, wp[2].ptr, n, kk)?;
+        // (x part, w part), smallest terms first
+        for (i, (a, b)) in [(2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)].into_iter().enumerate() {
+            let beta = if i == 0 { 0.0 } else { 1.0 };
+            self.blas.gemm_beta(GemmType::Bf16, xp[a].ptr, kk, wp[b].ptr, y, ldy, rows, n, kk, beta)?;
+        }
+        Ok(())
     }
 
     /// Dense bf16 GEMM on raw pointers (benchmarks): `y = x_bf16 · W_bf16ᵀ`.

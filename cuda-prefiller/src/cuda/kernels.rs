@@ -27,6 +27,14 @@ pub fn f32_to_bf16_2d(gpu: &Gpu, inp: P, ins: usize, out: P, rows: usize, cols: 
     gpu.launch(f, grid1(gpu, rows * cols), (256, 1, 1), 0, &mut { a }, "f32_to_bf16_2d")
 }
 
+/// Splits f32 `[rows, cols]` (row stride `ld`) into three dense bf16 parts (kernels/bf16_split.cu).
+#[allow(clippy::too_many_arguments)]
+pub fn split_bf16x3(gpu: &Gpu, inp: P, ld: usize, p0: P, p1: P, p2: P, rows: usize, cols: usize) -> Result<()> {
+    let f = gpu.func("bf16_split", &[], "split_bf16x3")?;
+    let a = KArgs::new().arg(inp).arg(ld as i64).arg(p0).arg(p1).arg(p2).arg(rows as i32).arg(cols as i32);
+    gpu.launch(f, (rows as u32, 1, 1), (256, 1, 1), 0, &mut { a }, "split_bf16x3")
+}
+
 pub fn add_f32(gpu: &Gpu, a: P, b: P, y: P, n: usize) -> Result<()> {
     let f = gpu.func("convert", &[], "add_f32")?;
     gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(a).arg(b).arg(y).arg(n as i64), "add_f32")
