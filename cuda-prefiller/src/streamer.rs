@@ -661,9 +661,8 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
             let Unit::Experts { lo, hi, .. } = unit else { unreachable!("checked by take_unit") };
             ensure!(lo == covered, "weight streamer: layer {l} experts {lo}..{hi} arrived, {covered}.. expected");
             let wbase = self.sw.slot_ptr[1][plan.slot[u]];
-            for p in &plans {
-                b.moe_run_chunk(p, &layout, wbase, lo, hi, model.dims.situ, None)?;
-            }
+            let refs: Vec<&crate::cuda::backend::MoePlan> = plans.iter().collect();
+            b.moe_run_chunks(&refs, &layout, wbase, lo, hi, model.dims.situ, None)?;
             self.release(u)?;
             covered = hi;
         }

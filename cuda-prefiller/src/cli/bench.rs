@@ -500,11 +500,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     g.sync()?;
     profile::reset();
     let wall0 = Instant::now();
-    let mut ready: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
-    let mut done: Vec<Option<Event>> = (0..p.units.len()).map(|_| None).collect();
     let mut ev_t: Vec<(usize, Event, Event, Event)> = Vec::new(); // (unit, before wait, after wait, done)
-    let mut bytes = 0usize;
-    let mut fill = 0.0;
     // which slot each unit uses, and the previous unit on the same slot
     let mut slot_of = Vec::new();
     {
@@ -560,43 +556,63 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     let mut plans: Vec<(crate::cuda::backend::MoePlan, crate::cuda::backend::CudaBuf)> = Vec::new();
     let mut new_p: Vec<crate::cuda::backend::CudaBuf> = Vec::new();
     let mut dense_slot_of_layer = vec![0usize; args.layers];
-    if mode != Mode::Compute {
-        let (e, s) = upload(st, 0, None)?;
-        bytes += s.bytes;
-        fill += s.fill_s;
-        ready[0] = Some(e);
-    }
-    for i in 0..p.units.len() {
-        if mode == Mode::Compute {
-            // compute alone: load the unit's weights first, untimed (only GPU compute intervals count)
-            g.sync()?;
-            let (e, _) = upload(st, i, None)?;
-            e.sync()?;
+    let n_units = p.units.len();
+    let st = std::sync::Mutex::new(st);
+    let mut bytes = 0usize;
+    let mut fill = 0.0;
+    std::thread::scope(|sc| -> Result<()> {
+        // Uploads run ahead on their own thread, in unit order, each as soon as the unit that last
+        // used its slot has been issued on the compute stream (the copy stream then waits for it
+        // on the GPU). The compute thread blocks at times (the dense expert path reads the
+        // per-expert row counts back), which must not hold up the transfers.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(usize, Event, crate::streamer::UploadStats)>>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Event)>();
+        if mode != Mode::Compute {
+            let (upload, free_after, st) = (&upload, &free_after, &st);
+            sc.spawn(move || {
+                let mut done: Vec<Option<Event>> = (0..n_units).map(|_| None).collect();
+                for n in 0..n_units {
+                    let free = match free_after[n] {
+                        Some(f) if mode == Mode::Overlap => {
+                            while done[f].is_none() {
+                                match done_rx.recv() {
+                                    Ok((u, e)) => done[u] = Some(e),
+                                    Err(_) => return, // the compute side stopped (an error)
+                                }
+                            }
+                            done[f].as_ref()
+                        }
+                        _ => None,
+                    };
+                    let r = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned")).and_then(|mut s| upload(&mut s, n, free)).map(|(e, s)| (n, e, s));
+                    let failed = r.is_err();
+                    if ready_tx.send(r).is_err() || failed {
+                        return;
+                    }
+                }
+            });
         }
-        // The next unit's upload runs on its own thread while this one computes: staging from
-        // pageable memory is host work, and the compute thread blocks at times (the dense expert
-        // path reads the per-expert row counts back), so on one thread the two would take turns.
-        // The slot of unit i+1 was last read by unit i-1 or earlier (two slots per ring,
-        // in-order compute stream).
-        let next = (mode != Mode::Compute && i + 1 < p.units.len()).then_some(i + 1);
-        // the slot's previous user is unit i - 1 or earlier (two slots per ring)
-        let (done_before, done_now) = done.split_at_mut(i);
-        let free = match next.and_then(|n| free_after[n]) {
-            Some(f) if mode == Mode::Overlap => {
-                ensure!(f < i, "unit {}: its slot is freed by unit {f}, which has not been issued", i + 1);
-                done_before[f].as_ref()
-            }
-            _ => None,
-        };
-        let upload = &upload;
-        let st_next = &mut *st;
-        std::thread::scope(|sc| -> Result<()> {
-            let up = next.map(|n| sc.spawn(move || upload(st_next, n, free)));
+        for i in 0..n_units {
+            let ready = if mode == Mode::Compute {
+                // compute alone: load the unit's weights first, untimed (only GPU compute intervals count)
+                g.sync()?;
+                let mut guard = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned"))?;
+                let (e, _) = upload(&mut guard, i, None)?;
+                drop(guard);
+                e.sync()?;
+                None
+            } else {
+                let (u, e, s) = ready_rx.recv().map_err(|_| anyhow::anyhow!("unit {i}: the upload thread stopped"))??;
+                ensure!(u == i, "unit {u} uploaded, {i} expected");
+                bytes += s.bytes;
+                fill += s.fill_s;
+                Some(e)
+            };
             if mode != Mode::Transfer {
                 let e0 = g.event()?;
                 e0.record(g.stream())?;
-                if mode == Mode::Overlap {
-                    ready[i].as_ref().expect("uploaded").wait_on(g.stream())?;
+                if let Some(r) = ready.as_ref().filter(|_| mode == Mode::Overlap) {
+                    r.wait_on(g.stream())?;
                 }
                 let e1 = g.event()?;
                 e1.record(g.stream())?;
@@ -614,24 +630,29 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                             let (p2, xn2) = sl::attention(b, &w, &p.d, &bank_refs, &pc[ci], stt, ci * c)?;
                             let (plan, sh) = sl::moe_front(b, &w, &p.d, &xn2)?;
                             drop(xn2);
-                            if whole {
-                                b.moe_run_chunk(&plan, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
-                                profile::mark(g, "routed experts")?;
-                                let mut p2 = p2;
-                                sl::moe_back(b, &w, &p.d, &plan, &sh, &mut p2)?;
-                                pc[ci] = p2;
-                            } else {
-                                plans.push((plan, sh));
-                                new_p.push(p2);
+                            plans.push((plan, sh));
+                            new_p.push(p2);
+                        }
+                        if whole {
+                            // the routed experts of all token chunks at once (one dequantisation)
+                            let refs: Vec<&crate::cuda::backend::MoePlan> = plans.iter().map(|(pl, _)| pl).collect();
+                            profile::mark(g, "-")?;
+                            b.moe_run_chunks(&refs, &lay.experts, base + lay.dense_bytes as u64, 0, p.d.experts, p.d.betas, None)?;
+                            profile::mark(g, "routed experts")?;
+                            for (ci, (plan, sh)) in plans.iter().enumerate() {
+                                sl::moe_back(b, &w, &p.d, plan, sh, &mut new_p[ci])?;
                             }
+                            for (ci, np) in new_p.drain(..).enumerate() {
+                                pc[ci] = np;
+                            }
+                            plans.clear();
                         }
                     }
                     Unit::Experts { l, lo, hi } => {
                         let lay = &p.lay[li(p.attn[l])];
                         profile::mark(g, "-")?;
-                        for (plan, _) in &plans {
-                            b.moe_run_chunk(plan, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
-                        }
+                        let refs: Vec<&crate::cuda::backend::MoePlan> = plans.iter().map(|(pl, _)| pl).collect();
+                        b.moe_run_chunks(&refs, &lay.experts, p.expert_slots[slot_of[i]].ptr, lo, hi, p.d.betas, None)?;
                         profile::mark(g, "routed experts")?;
                         if hi == p.d.experts {
                             let w = LayerWeights::view(b, lay, p.dense_slots[dense_slot_of_layer[l]].ptr);
@@ -648,19 +669,16 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 let e2 = g.event()?;
                 e2.record(g.stream())?;
                 ev_t.push((i, e0, e1, e2));
-                let d = g.event()?;
-                d.record(g.stream())?;
-                done_now[0] = Some(d);
+                if mode == Mode::Overlap {
+                    let d = g.event()?;
+                    d.record(g.stream())?;
+                    // the upload thread has ended once every unit is uploaded: fine
+                    let _ = done_tx.send((i, d));
+                }
             }
-            if let Some(h) = up {
-                let (e, s) = h.join().map_err(|_| anyhow::anyhow!("unit {}: the upload thread panicked", i + 1))??;
-                bytes += s.bytes;
-                fill += s.fill_s;
-                ready[i + 1] = Some(e);
-            }
-            Ok(())
-        })?;
-    }
+        }
+        Ok(())
+    })?;
     g.sync()?;
     g.sync_copy()?;
     if mode == Mode::Compute && profile::enabled() {

@@ -181,9 +181,12 @@ pub struct MoePlan {
     pub tile_count: DevMem,
     pub slot_pos: DevMem,
     pub row_token: DevMem,
-    /// Grouped inputs `[t*k, latent]` (bf16 or f32), intermediate `[t*k, inter]`, outputs `[t*k, latent]` f32.
+    /// Grouped inputs `[t*k, latent]` (bf16 or f32), intermediate `[t*k, inter]` (mma.sync
+    /// kernels only: a stub on the dense path), outputs `[t*k, latent]` f32.
     pub xg: DevMem,
     pub hg: DevMem,
+    /// Bytes of one row of `hg`.
+    pub hg_row_bytes: usize,
     pub yg: DevMem,
     pub weights: DevMem,
     /// Runs on the dense path (BF16 dequantisation + cuBLAS) instead of the mma.sync kernel.
@@ -310,8 +313,10 @@ impl CudaBackend {
 
     /// An f32-weight GEMM (the router) at FP32 grade on the BF16 tensor cores: x and W split
     /// into three bf16 parts each (kernels/bf16_split.cu), the six part products that reach
-    /// 2⁻²⁴ summed in f32, smallest first. IEEE fp32 cuBLAS (no TF32) runs these on the FP32
-    /// units at ~1/15 of the tensor rate: 42 ms against ~15 ms for a 131072-token K3 router.
+    /// 2⁻²⁴ summed in f32, smallest first. On the H200 it lands 2.7e-6 from the float64
+    /// product where IEEE fp32 cuBLAS lands 3.6e-7 (k = 1536; the tensor cores' f32
+    /// accumulation truncates) and one BF16 pass ~3e-3; IEEE fp32 cuBLAS (no TF32) runs on the
+    /// FP32 units at a fraction of the tensor rate (`tests/cuda_router_gemm.rs`, docs/cuda.md).
     fn gemm_f32_split(&self, x: CUdeviceptr, ldx: usize, rows: usize, w: &CudaWeight, y: CUdeviceptr, ldy: usize) -> Result<()> {
         let (n, kk) = (w.rows, w.cols);
         let wf = w.f32_ptr("gemm")?;
@@ -354,15 +359,16 @@ impl CudaBackend {
         k::moe_scatter(g, ids, n, top_k, offsets.ptr, cursor.ptr, slot_pos.ptr, row_token.ptr)?;
         let esz = if self.bf16() { 2 } else { 4 };
         let xg = g.alloc(n * layout.latent * esz)?;
-        let hg = g.alloc(n * layout.inter * esz)?;
-        let yg = g.alloc(n * layout.latent * 4)?;
-        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, yg, weights, dense: false, host_offsets: None };
         let dense = self.bf16()
             && match self.moe_path {
                 MoePath::Mma => false,
                 MoePath::Dense => true,
                 MoePath::Auto => n >= self.moe_dense.min_rows * e,
             };
+        // the dense path keeps the SiTU output per worker slice, not for every routed row
+        let hg = g.alloc(if dense { 256 } else { n * layout.inter * esz })?;
+        let yg = g.alloc(n * layout.latent * 4)?;
+        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, hg_row_bytes: layout.inter * esz, yg, weights, dense: false, host_offsets: None };
         self.moe_set_dense(&mut plan, dense)?;
         Ok(plan)
     }
@@ -376,6 +382,13 @@ impl CudaBackend {
             let mut v = vec![0i32; plan.e + 1];
             self.gpu.dtoh(&mut v, plan.offsets.ptr)?;
             plan.host_offsets = Some(v);
+        }
+        if !dense {
+            // the mma.sync kernels keep the SiTU output of every routed row
+            let need = plan.t * plan.k * plan.hg_row_bytes;
+            if plan.hg.bytes < need {
+                plan.hg = self.gpu.alloc(need)?;
+            }
         }
         plan.dense = dense;
         Ok(())
@@ -430,6 +443,28 @@ impl CudaBackend {
             &self.gpu, self.moe_variant, stream, bf, false, plan.hg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
             plan.max_tiles, wbase, layout.stride, layout.w2, layout.w2, e_lo, e_hi, layout.latent, layout.inter, plan.yg.ptr, 0.0, 0.0,
         )
+    }
+
+    /// [`CudaBackend::moe_run_chunk`] for several plans (token chunks of one layer) over the
+    /// same experts: on the dense path each expert group is dequantised once for all of them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_run_chunks(
+        &self,
+        plans: &[&MoePlan],
+        layout: &ExpertLayout,
+        wbase: CUdeviceptr,
+        e_lo: usize,
+        e_hi: usize,
+        betas: SituBetas,
+        stream: Option<cudarc::driver::sys::CUstream>,
+    ) -> Result<()> {
+        if plans.len() > 1 && plans.iter().all(|p| p.dense) {
+            return moe_dense::run_many(self, plans, layout, wbase, e_lo, e_hi, betas, stream);
+        }
+        for p in plans {
+            self.moe_run_chunk(p, layout, wbase, e_lo, e_hi, betas, stream)?;
+        }
+        Ok(())
     }
 
     /// Weighted combine of the grouped outputs back to `[t, latent]`.

@@ -149,10 +149,21 @@ pub fn dequant(gpu: &Gpu, stream: CUstream, layout: &ExpertLayout, wbase: CUdevi
 /// path, ordered after earlier work of `stream` and before later work of it.
 #[allow(clippy::too_many_arguments)]
 pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
-    let offs = plan.host_offsets.as_ref().ok_or_else(|| anyhow!("dense expert path: the plan holds no host copy of the expert offsets"))?;
-    ensure!(e_hi <= plan.e && offs.len() == plan.e + 1, "dense expert path: experts {e_lo}..{e_hi} of a {}-expert plan", plan.e);
-    let rows_of = |e: usize| (offs[e + 1] - offs[e]).max(0) as usize;
-    let max_rows = (e_lo..e_hi).map(rows_of).max().unwrap_or(0);
+    run_many(b, &[plan], layout, wbase, e_lo, e_hi, betas, stream)
+}
+
+/// [`run`] for several plans over the same experts (the token chunks of one layer): each expert
+/// group is dequantised once and multiplied with the rows of every plan.
+#[allow(clippy::too_many_arguments)]
+pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+    let mut offs = Vec::with_capacity(plans.len());
+    for p in plans {
+        let o = p.host_offsets.as_ref().ok_or_else(|| anyhow!("dense expert path: the plan holds no host copy of the expert offsets"))?;
+        ensure!(e_hi <= p.e && o.len() == p.e + 1, "dense expert path: experts {e_lo}..{e_hi} of a {}-expert plan", p.e);
+        offs.push(o);
+    }
+    let rows_of = |pi: usize, e: usize| (offs[pi][e + 1] - offs[pi][e]).max(0) as usize;
+    let max_rows = (0..plans.len()).flat_map(|pi| (e_lo..e_hi).map(move |e| (pi, e))).map(|(pi, e)| rows_of(pi, e)).max().unwrap_or(0);
     if max_rows == 0 {
         return Ok(());
     }
@@ -168,13 +179,16 @@ pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdevi
     let groups: Vec<(usize, usize)> = (e_lo..e_hi)
         .step_by(gsize)
         .map(|a| (a, (a + gsize).min(e_hi)))
-        .filter(|&(a, z)| (a..z).any(|e| rows_of(e) > 0))
+        .filter(|&(a, z)| (a..z).any(|e| (0..plans.len()).any(|pi| rows_of(pi, e) > 0)))
         .collect();
+    // one plan: its device offsets let the dequantisation skip experts without rows
+    let skip_offsets = if plans.len() == 1 { plans[0].offsets.ptr } else { 0 };
     let slice = cfg.slice_rows.max(1).min(max_rows);
     let b2 = betas.linear_beta.unwrap_or(0.0);
     // scratch, stream-ordered on the compute stream (freed there after the join below)
     let wbuf: Vec<DevMem> = (0..groups.len().min(2)).map(|_| g.alloc(gsize * per * 2)).collect::<Result<_>>()?;
     let gu: Vec<DevMem> = (0..nw).map(|_| g.alloc(slice * 2 * inter * 4)).collect::<Result<_>>()?;
+    let hs: Vec<DevMem> = (0..nw).map(|_| g.alloc(slice * inter * 2)).collect::<Result<_>>()?;
     if s != g.stream() {
         let e = g.event()?;
         e.record(g.stream())?;
@@ -190,32 +204,33 @@ pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdevi
                 ev.wait_on(s)?;
             }
         }
-        dequant(g, s, layout, wbase, a - e_lo, z - a, plan.offsets.ptr, a, buf.ptr)?;
+        dequant(g, s, layout, wbase, a - e_lo, z - a, skip_offsets, a, buf.ptr)?;
         let ready = g.event()?;
         ready.record(s)?;
         for &ws in &workers.streams {
             ready.wait_on(ws)?;
         }
-        #[allow(clippy::needless_range_loop)]
         for e in a..z {
-            let rows = rows_of(e);
-            if rows == 0 {
-                continue;
-            }
-            let w = (0..nw).min_by_key(|&w| load[w]).unwrap_or(0);
-            load[w] += rows;
-            let (ws, blas) = (workers.streams[w], &workers.blas[w]);
-            let wgu = buf.ptr + ((e - a) * per * 2) as u64;
-            let wd = wgu + (2 * inter * lat * 2) as u64;
-            let mut r0 = 0;
-            while r0 < rows {
-                let n = slice.min(rows - r0);
-                let row = offs[e] as usize + r0;
-                let hrow = plan.hg.ptr + (row * inter * 2) as u64;
-                blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[w].ptr, 2 * inter, n, 2 * inter, lat)?;
-                k::expert_situ_bf16(g, ws, gu[w].ptr, n, inter, hrow, betas.beta, b2)?;
-                blas.gemm(GemmType::Bf16, hrow, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
-                r0 += n;
+            for (pi, plan) in plans.iter().enumerate() {
+                let rows = rows_of(pi, e);
+                if rows == 0 {
+                    continue;
+                }
+                let w = (0..nw).min_by_key(|&w| load[w]).unwrap_or(0);
+                load[w] += rows;
+                let (ws, blas) = (workers.streams[w], &workers.blas[w]);
+                let wgu = buf.ptr + ((e - a) * per * 2) as u64;
+                let wd = wgu + (2 * inter * lat * 2) as u64;
+                let mut r0 = 0;
+                while r0 < rows {
+                    let n = slice.min(rows - r0);
+                    let row = offs[pi][e] as usize + r0;
+                    let hrow = hs[w].ptr;
+                    blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[w].ptr, 2 * inter, n, 2 * inter, lat)?;
+                    k::expert_situ_bf16(g, ws, gu[w].ptr, n, inter, hrow, betas.beta, b2)?;
+                    blas.gemm(GemmType::Bf16, hrow, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
+                    r0 += n;
+                }
             }
         }
         let evs = workers
@@ -240,6 +255,6 @@ pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdevi
         e.record(s)?;
         e.wait_on(g.stream())?;
     }
-    drop((wbuf, gu));
+    drop((wbuf, gu, hs));
     Ok(())
 }
