@@ -35,6 +35,83 @@ extern "C" __global__ void kda_gate(const float* __restrict__ z, const float* __
     }
 }
 
+// ---- float4 forms of the elementwise kernels above and of kda_gated_norm (end of file) ------
+// They need D (and the row strides) a multiple of 4 and 16-byte aligned pointers; the launchers
+// check and otherwise run the scalar kernels. Same per-element arithmetic; the per-head sums of
+// squares are added in another order (f32 rounding).
+
+// l2_norm_heads: one warp per pair of adjacent (row, head) units, NV float4s per lane and unit
+// (D <= 128 NV), both units' loads issued before the reductions.
+template <int NV>
+__device__ __forceinline__ void l2_norm4_body(float* __restrict__ x, i64 units, int D, float eps, float scale) {
+    int lane = threadIdx.x & 31;
+    i64 nw = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 p = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); 2 * p < units; p += nw) {
+        float4 a[2][NV];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                int d = (k * 32 + lane) * 4;
+                bool ok = 2 * p + u < units && d < D;
+                a[u][k] = ok ? *(const float4*)(x + (2 * p + u) * D + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int k = 0; k < NV; ++k) ss += a[u][k].x * a[u][k].x + a[u][k].y * a[u][k].y + a[u][k].z * a[u][k].z + a[u][k].w * a[u][k].w;
+            ss = warp_sum(ss);
+            float inv = scale / sqrtf(ss + eps);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                int d = (k * 32 + lane) * 4;
+                if (2 * p + u < units && d < D)
+                    *(float4*)(x + (2 * p + u) * D + d) = make_float4(a[u][k].x * inv, a[u][k].y * inv, a[u][k].z * inv, a[u][k].w * inv);
+            }
+        }
+    }
+}
+
+// One entry point per NV (registers are allocated per entry point): l2_norm_heads4_v<NV>, NV = 1..4.
+#define L2NORM4(NV)                                                                                             \
+    extern "C" __global__ void l2_norm_heads4_v##NV(float* __restrict__ x, int rows, int H, int D, float eps,   \
+                                                    float scale) {                                              \
+        l2_norm4_body<NV>(x, (i64)rows * H, D, eps, scale);                                                     \
+    }
+L2NORM4(1)
+L2NORM4(2)
+L2NORM4(3)
+L2NORM4(4)
+
+// kda_gate: grid x covers the H*D/4 column quads, y walks the rows 4 at a time (grid-stride).
+extern "C" __global__ void kda_gate4(const float* __restrict__ z, const float* __restrict__ a_log,
+        const float* __restrict__ dt_bias, float* __restrict__ g, int rows, int H, int D, int bounded, float lb) {
+    int C = H * D;
+    int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (c >= C) return;
+    float ea = expf(a_log[c / D]);
+    float4 bias = *(const float4*)(dt_bias + c);
+    for (int r0 = blockIdx.y * 4; r0 < rows; r0 += gridDim.y * 4) {
+        float4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (r0 + k < rows) v[k] = *(const float4*)(z + (i64)(r0 + k) * C + c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (r0 + k >= rows) break;
+            float u[4] = {v[k].x + bias.x, v[k].y + bias.y, v[k].z + bias.z, v[k].w + bias.w};
+            float r[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (bounded) r[e] = lb * sigmoid_f(ea * u[e]);
+                else { float sp = u[e] > 20.0f ? u[e] : log1pf(expf(u[e])); r[e] = -ea * sp; }
+            }
+            *(float4*)(g + (i64)(r0 + k) * C + c) = make_float4(r[0], r[1], r[2], r[3]);
+        }
+    }
+}
+
 extern "C" __global__ void sigmoid_f32(const float* __restrict__ x, float* __restrict__ y, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = sigmoid_f(x[i]);
@@ -491,3 +568,64 @@ extern "C" __global__ void kda_gated_norm(const float* o, const float* __restric
         }
     }
 }
+
+// kda_gated_norm: one warp per pair of adjacent (t, h) units, NV float4s of o and r per lane and
+// unit (D <= 128 NV), the weight quads held in registers; out may alias o.
+template <int NV>
+__device__ __forceinline__ void gated_norm4_body(const float* o, const float* __restrict__ r, i64 r_stride,
+        const float* __restrict__ w, float* out, int T, int H, int D, float eps, int bf16_out) {
+    int lane = threadIdx.x & 31;
+    i64 units = (i64)T * H;
+    i64 nw = (i64)gridDim.x * (blockDim.x >> 5);
+    float4 wq[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        int d = (k * 32 + lane) * 4;
+        wq[k] = d < D ? *(const float4*)(w + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    for (i64 p = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); 2 * p < units; p += nw) {
+        float4 a[2][NV], g[2][NV];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            i64 wi = 2 * p + u;
+            int t = (int)(wi / H), h = (int)(wi - (i64)t * H);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                int d = (k * 32 + lane) * 4;
+                bool ok = wi < units && d < D;
+                a[u][k] = ok ? *(const float4*)(o + wi * D + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                g[u][k] = ok ? *(const float4*)(r + (i64)t * r_stride + (i64)h * D + d) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            i64 wi = 2 * p + u;
+            float ss = 0.0f;
+#pragma unroll
+            for (int k = 0; k < NV; ++k) ss += a[u][k].x * a[u][k].x + a[u][k].y * a[u][k].y + a[u][k].z * a[u][k].z + a[u][k].w * a[u][k].w;
+            ss = warp_sum(ss);
+            float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                int d = (k * 32 + lane) * 4;
+                if (wi < units && d < D) {
+                    float4 y = make_float4(a[u][k].x * inv * wq[k].x * sigmoid_f(g[u][k].x), a[u][k].y * inv * wq[k].y * sigmoid_f(g[u][k].y),
+                                           a[u][k].z * inv * wq[k].z * sigmoid_f(g[u][k].z), a[u][k].w * inv * wq[k].w * sigmoid_f(g[u][k].w));
+                    if (bf16_out) { y.x = round_bf16(y.x); y.y = round_bf16(y.y); y.z = round_bf16(y.z); y.w = round_bf16(y.w); }
+                    *(float4*)(out + wi * D + d) = y;
+                }
+            }
+        }
+    }
+}
+
+// One entry point per NV: kda_gated_norm4_v<NV>, NV = 1..4.
+#define GATED_NORM4(NV)                                                                                         \
+    extern "C" __global__ void kda_gated_norm4_v##NV(const float* o, const float* __restrict__ r, i64 r_stride, \
+            const float* __restrict__ w, float* out, int T, int H, int D, float eps, int bf16_out) {            \
+        gated_norm4_body<NV>(o, r, r_stride, w, out, T, H, D, eps, bf16_out);                                   \
+    }
+GATED_NORM4(1)
+GATED_NORM4(2)
+GATED_NORM4(3)
+GATED_NORM4(4)

@@ -264,6 +264,21 @@ pub trait Backend: Send + Sync {
     fn short_conv_silu(&self, x: &Self::Buf, w: &Self::Weight, window: &mut Self::Buf) -> OpResult<Self::Buf>;
     /// In place, per head of `head_dim` columns: `x ← scale · x / sqrt(Σ x² + eps)`.
     fn l2_norm_heads(&self, x: &mut Self::Buf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()>;
+    /// [`Backend::short_conv_silu`] followed by [`Backend::l2_norm_heads`] on its output (the q
+    /// and k paths of KDA), as one op so that a backend can do both in one pass over the data.
+    fn short_conv_silu_l2(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Weight,
+        window: &mut Self::Buf,
+        head_dim: usize,
+        eps: f32,
+        scale: f32,
+    ) -> OpResult<Self::Buf> {
+        let mut y = self.short_conv_silu(x, w, window)?;
+        self.l2_norm_heads(&mut y, head_dim, eps, scale)?;
+        Ok(y)
+    }
     /// Decay gate in log space from `z = f_b(f_a(x))` (`[rows, H·D]`, before the bias):
     /// `u = z + dt_bias`; bounded form (`lower_bound = Some(b)`): `g = b·σ(exp(A_log[h])·u)`;
     /// Kimi-Linear form (`None`): `g = −exp(A_log[h])·softplus(u)`. `a_log [1, heads]` holds ONE

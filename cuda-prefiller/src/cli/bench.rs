@@ -104,6 +104,10 @@ pub struct Args {
     /// Kernel mode: time only the chunked KDA (total, then prep and scan kernels apart).
     #[arg(long)]
     pub kda_only: bool,
+    /// Kernel mode: time only the memory-bound f32 ops (short conv, norms, gates, AttnRes,
+    /// SiTU, adds, the BF16 GEMM-input conversion) at K3 widths, with GB/s (bench_elementwise.rs).
+    #[arg(long)]
+    pub elementwise_only: bool,
     /// Kernel mode: also time the dense expert path with these settings, `;`-separated
     /// (each as `K3_MOE_DENSE`, e.g. `streams=8;streams=2,group_mib=2048`).
     #[arg(long, value_delimiter = ';')]
@@ -111,6 +115,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if args.kernels && args.elementwise_only {
+        return super::bench_elementwise::run(&args.tokens, args.reps, args.json);
+    }
     if args.kernels {
         return kernels(&args);
     }

@@ -1,6 +1,7 @@
 //! The `k3-prefill` subcommands, one module each.
 
 pub mod bench;
+pub mod bench_elementwise;
 pub mod forward;
 pub mod inspect;
 pub mod serve;

@@ -659,6 +659,26 @@ impl Backend for CudaBackend {
         Ok(y)
     }
 
+    fn short_conv_silu_l2(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<CudaBuf> {
+        let (c, kw) = (w.rows, w.cols);
+        ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu_l2: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
+        ensure!(head_dim > 0 && c.is_multiple_of(head_dim), "short_conv_silu_l2: {c} columns not a multiple of {head_dim}");
+        let wp = w.f32_ptr("short_conv")?;
+        let y = self.empty(x.rows, c)?;
+        if head_dim != 128 || !k::short_conv_vec4(x.ptr(), c, window.ptr(), wp, y.ptr(), c, c, kw) {
+            // the fused kernel covers heads of 128 (one warp); otherwise the two ops
+            drop(y);
+            let mut y = self.short_conv_silu(x, w, window)?;
+            self.l2_norm_heads(&mut y, head_dim, eps, scale)?;
+            return Ok(y);
+        }
+        k::short_conv_silu4(&self.gpu, x.ptr(), c, window.ptr(), wp, y.ptr(), c, x.rows, c, kw, Some((eps, scale)))?;
+        let nw = self.empty(kw - 1, c)?;
+        k::conv_window_update(&self.gpu, x.ptr(), c, window.ptr(), nw.ptr(), x.rows, c, kw)?;
+        *window = nw;
+        Ok(y)
+    }
+
     fn l2_norm_heads(&self, x: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()> {
         ensure!(head_dim > 0 && x.cols % head_dim == 0, "l2_norm_heads: {} columns not a multiple of {head_dim}", x.cols);
         k::l2_norm_heads(&self.gpu, x.ptr(), x.rows, x.cols / head_dim, head_dim, eps, scale)

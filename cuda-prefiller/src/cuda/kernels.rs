@@ -1,7 +1,7 @@
 //! Typed launchers for the kernels of `kernels/*.cu`: one function per kernel, arguments in the
 //! order of the kernel signature. Device pointers are raw `u64` addresses; callers own the memory.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use std::sync::Arc;
@@ -16,12 +16,39 @@ fn grid1(gpu: &Gpu, n: usize) -> (u32, u32, u32) {
     (b as u32, 1, 1)
 }
 
+/// The float4 kernels apply: every pointer 16-byte aligned, every width and row stride a
+/// multiple of 4 (null pointers pass).
+fn vec4_ok(ptrs: &[P], dims: &[usize]) -> bool {
+    ptrs.iter().all(|p| p % 16 == 0) && dims.iter().all(|d| d % 4 == 0)
+}
+
+/// Block width for `quads` float4 columns: a multiple of 32, at most 256.
+fn quad_block(quads: usize) -> usize {
+    quads.max(1).next_multiple_of(32).min(256)
+}
+
+/// Grid of the float4 row kernels: x covers `quads` column quads of a row, y walks `rows` in
+/// steps of `per` (grid-stride), about 32 blocks per SM in all.
+fn grid_rows4(gpu: &Gpu, quads: usize, rows: usize, per: usize) -> ((u32, u32, u32), (u32, u32, u32)) {
+    let bx = quad_block(quads);
+    let gx = quads.div_ceil(bx).max(1);
+    let want = ((gpu.sm_count.max(1) as usize) * 32).div_ceil(gx).clamp(1, 65535);
+    let gy = rows.div_ceil(per).clamp(1, want);
+    ((gx as u32, gy as u32, 1), (bx as u32, 1, 1))
+}
+
 pub fn bf16_to_f32(gpu: &Gpu, inp: P, out: P, n: usize) -> Result<()> {
     let f = gpu.func("convert", &[], "bf16_to_f32")?;
     gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(inp).arg(out).arg(n as i64), "bf16_to_f32")
 }
 
 pub fn f32_to_bf16_2d(gpu: &Gpu, inp: P, ins: usize, out: P, rows: usize, cols: usize) -> Result<()> {
+    if vec4_ok(&[inp, out], &[cols, ins]) {
+        let f = gpu.func("convert", &[], "f32_to_bf16_2d4")?;
+        let (grid, block) = grid_rows4(gpu, cols / 4, rows, 4);
+        let mut a = KArgs::new().arg(inp).arg(ins as i64).arg(out).arg(rows as i32).arg(cols as i32);
+        return gpu.launch(f, grid, block, 0, &mut a, "f32_to_bf16_2d4");
+    }
     let f = gpu.func("convert", &[], "f32_to_bf16_2d")?;
     let a = KArgs::new().arg(inp).arg(ins as i64).arg(out).arg(rows as i32).arg(cols as i32);
     gpu.launch(f, grid1(gpu, rows * cols), (256, 1, 1), 0, &mut { a }, "f32_to_bf16_2d")
@@ -36,11 +63,24 @@ pub fn split_bf16x3(gpu: &Gpu, inp: P, ld: usize, p0: P, p1: P, p2: P, rows: usi
 }
 
 pub fn add_f32(gpu: &Gpu, a: P, b: P, y: P, n: usize) -> Result<()> {
+    if vec4_ok(&[a, b, y], &[n]) {
+        let f = gpu.func("convert", &[], "add_f32x4")?;
+        // four float4s per thread in flight
+        let g = (n / 4).div_ceil(256 * 4).clamp(1, (gpu.sm_count.max(1) as usize) * 32);
+        let mut args = KArgs::new().arg(a).arg(b).arg(y).arg((n / 4) as i64);
+        return gpu.launch(f, (g as u32, 1, 1), (256, 1, 1), 0, &mut args, "add_f32x4");
+    }
     let f = gpu.func("convert", &[], "add_f32")?;
     gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(a).arg(b).arg(y).arg(n as i64), "add_f32")
 }
 
 pub fn mul_sigmoid(gpu: &Gpu, y: P, ys: usize, g: P, gs: usize, rows: usize, n: usize) -> Result<()> {
+    if vec4_ok(&[y, g], &[n, ys, gs]) {
+        let f = gpu.func("convert", &[], "mul_sigmoid4")?;
+        let (grid, block) = grid_rows4(gpu, n / 4, rows, 4);
+        let mut a = KArgs::new().arg(y).arg(ys as i64).arg(g).arg(gs as i64).arg(rows as i32).arg(n as i32);
+        return gpu.launch(f, grid, block, 0, &mut a, "mul_sigmoid4");
+    }
     let f = gpu.func("convert", &[], "mul_sigmoid")?;
     let mut a = KArgs::new().arg(y).arg(ys as i64).arg(g).arg(gs as i64).arg(rows as i32).arg(n as i32);
     gpu.launch(f, grid1(gpu, rows * n), (256, 1, 1), 0, &mut a, "mul_sigmoid")
@@ -54,6 +94,23 @@ pub fn embed_rows(gpu: &Gpu, table: P, ids: P, out: P, t: usize, h: usize) -> Re
 
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_rows(gpu: &Gpu, x: P, xs: usize, w: P, y: P, ys: usize, rows: usize, n: usize, eps: f32, bf16_cast: bool) -> Result<()> {
+    let bx = quad_block(n / 4);
+    let nq = (n / 4).div_ceil(bx);
+    if vec4_ok(&[x, w, y], &[n, xs, ys]) && (1..=8).contains(&nq) {
+        let name = format!("rmsnorm_rows4_q{nq}");
+        let f = gpu.func("rmsnorm", &[], &name)?;
+        let mut a = KArgs::new()
+            .arg(x)
+            .arg(xs as i64)
+            .arg(w)
+            .arg(y)
+            .arg(ys as i64)
+            .arg(rows as i32)
+            .arg(n as i32)
+            .arg(eps)
+            .arg(bf16_cast as i32);
+        return gpu.launch(f, (blocks(rows, 1)?, 1, 1), (bx as u32, 1, 1), 0, &mut a, &name);
+    }
     let f = gpu.func("rmsnorm", &[], "rmsnorm_rows")?;
     let mut a =
         KArgs::new().arg(x).arg(xs as i64).arg(w).arg(y).arg(ys as i64).arg(rows as i32).arg(n as i32).arg(eps).arg(bf16_cast as i32);
@@ -69,7 +126,9 @@ pub fn mla_latent(gpu: &Gpu, kv: P, w: P, out: P, rows: usize, kv_lora: usize, r
 
 #[allow(clippy::too_many_arguments)]
 pub fn situ_glu(gpu: &Gpu, g: P, gs: usize, u: P, us: usize, out: P, os: usize, rows: usize, n: usize, b1: f32, b2: f32, bf16_out: bool) -> Result<()> {
-    let f = gpu.func("situ", &[], "situ_glu")?;
+    let vec = vec4_ok(&[g, u, out], &[n, gs, us, os]);
+    let name = if vec { "situ_glu4" } else { "situ_glu" };
+    let f = gpu.func("situ", &[], name)?;
     let mut a = KArgs::new()
         .arg(g)
         .arg(gs as i64)
@@ -82,7 +141,11 @@ pub fn situ_glu(gpu: &Gpu, g: P, gs: usize, u: P, us: usize, out: P, os: usize, 
         .arg(b1)
         .arg(b2)
         .arg(bf16_out as i32);
-    gpu.launch(f, grid1(gpu, rows * n), (256, 1, 1), 0, &mut a, "situ_glu")
+    if vec {
+        let (grid, block) = grid_rows4(gpu, n / 4, rows, 4);
+        return gpu.launch(f, grid, block, 0, &mut a, name);
+    }
+    gpu.launch(f, grid1(gpu, rows * n), (256, 1, 1), 0, &mut a, name)
 }
 
 /// Bank pointer table passed by value (matches `BankPtrs` in attnres.cu).
@@ -92,11 +155,56 @@ pub struct BankPtrs(pub [u64; 32]);
 
 #[allow(clippy::too_many_arguments)]
 pub fn attnres_mix(gpu: &Gpu, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t: usize, h: usize, eps: f32, bf16_out: bool) -> Result<()> {
+    attnres_mix_variant(gpu, AttnResKernel::Auto, bank, p, norm_w, proj_w, out, t, h, eps, bf16_out)
+}
+
+/// Which AttnRes mix kernel runs (`Auto`: the float4 one-read kernel without prefetch where it
+/// applies: on the H200 at width 7168 it moves 4.4 TB/s against 3.6 with prefetch, which needs
+/// 128 registers and spills at 7 float4s per thread; docs/cuda.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnResKernel {
+    Auto,
+    /// `attnres_mix`: any width, every candidate read twice.
+    Scalar,
+    /// `attnres_mix4_q*` / `attnres_mix4np_q*`, forced prefetch on or off (errors where the float4 kernel does not apply).
+    Vec4 { prefetch: bool },
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attnres_mix_variant(gpu: &Gpu, kernel: AttnResKernel, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t: usize, h: usize, eps: f32, bf16_out: bool) -> Result<()> {
     if bank.len() > 31 {
         bail!("attn_res_mix: {} bank entries, the kernel takes at most 31", bank.len());
     }
     let mut ptrs = [0u64; 32];
     ptrs[..bank.len()].copy_from_slice(bank);
+    // one read of every candidate (online softmax, rows in registers) where the float4 kernel applies
+    let bx = quad_block(h / 4);
+    let nq = (h / 4).div_ceil(bx);
+    let vec = vec4_ok(bank, &[h]) && vec4_ok(&[p, norm_w, proj_w, out], &[]) && (1..=8).contains(&nq);
+    let prefetch = match kernel {
+        AttnResKernel::Scalar => None,
+        AttnResKernel::Auto => vec.then_some(false),
+        AttnResKernel::Vec4 { prefetch } => {
+            ensure!(vec, "attn_res_mix: width {h} or alignment does not fit the float4 kernel");
+            Some(prefetch)
+        }
+    };
+    if let Some(pf) = prefetch {
+        let name = format!("attnres_mix4{}_q{nq}", if pf { "" } else { "np" });
+        let f = gpu.func("attnres", &[], &name)?;
+        let mut a = KArgs::new()
+            .arg(BankPtrs(ptrs))
+            .arg(bank.len() as i32)
+            .arg(p)
+            .arg(norm_w)
+            .arg(proj_w)
+            .arg(out)
+            .arg(t as i32)
+            .arg(h as i32)
+            .arg(eps)
+            .arg(bf16_out as i32);
+        return gpu.launch(f, (blocks(t, 1)?, 1, 1), (bx as u32, 1, 1), 0, &mut a, &name);
+    }
     let f = gpu.func("attnres", &[], "attnres_mix")?;
     let mut a = KArgs::new()
         .arg(BankPtrs(ptrs))
@@ -114,10 +222,48 @@ pub fn attnres_mix(gpu: &Gpu, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t:
 
 #[allow(clippy::too_many_arguments)]
 pub fn short_conv_silu(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: usize, t: usize, c: usize, kw: usize) -> Result<()> {
+    if short_conv_vec4(x, xs, state, w, y, ys, c, kw) {
+        return short_conv_silu4(gpu, x, xs, state, w, y, ys, t, c, kw, None);
+    }
     let f = gpu.func("short_conv", &[], "short_conv_silu")?;
     let mut a =
         KArgs::new().arg(x).arg(xs as i64).arg(state).arg(w).arg(y).arg(ys as i64).arg(t as i32).arg(c as i32).arg(kw as i32);
     gpu.launch(f, grid1(gpu, t * c), (256, 1, 1), 0, &mut a, "short_conv_silu")
+}
+
+/// Whether the float4 short-conv kernel runs for these pointers and widths.
+#[allow(clippy::too_many_arguments)]
+pub fn short_conv_vec4(x: P, xs: usize, state: P, w: P, y: P, ys: usize, c: usize, kw: usize) -> bool {
+    let _ = w; // read as scalars
+    vec4_ok(&[x, state, y], &[c, xs, ys]) && (2..=8).contains(&kw)
+}
+
+/// The float4 short conv + SiLU (see [`short_conv_vec4`]); with `l2 = Some((eps, scale))` also
+/// the per-head L2 norm of the output, heads of 128 columns (`c` a multiple of 128).
+#[allow(clippy::too_many_arguments)]
+pub fn short_conv_silu4(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: usize, t: usize, c: usize, kw: usize, l2: Option<(f32, f32)>) -> Result<()> {
+    if !short_conv_vec4(x, xs, state, w, y, ys, c, kw) || (l2.is_some() && !c.is_multiple_of(128)) {
+        bail!("short_conv_silu4: widths {c} (strides {xs}/{ys}, window {kw}) or alignment do not fit the float4 kernel");
+    }
+    let name = format!("short_conv_silu4_w{kw}");
+    let f = gpu.func("short_conv", &[], &name)?;
+    let bx = quad_block(c / 4);
+    let gx = (c / 4).div_ceil(bx);
+    let gy = t.div_ceil(16).clamp(1, 65535); // 16 rows per thread (CONV_ROWS)
+    let (eps, scale) = l2.unwrap_or((0.0, 1.0));
+    let mut a = KArgs::new()
+        .arg(x)
+        .arg(xs as i64)
+        .arg(state)
+        .arg(w)
+        .arg(y)
+        .arg(ys as i64)
+        .arg(t as i32)
+        .arg(c as i32)
+        .arg(l2.is_some() as i32)
+        .arg(eps)
+        .arg(scale);
+    gpu.launch(f, (gx as u32, gy as u32, 1), (bx as u32, 1, 1), 0, &mut a, &name)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -150,6 +296,14 @@ pub fn router_topk(gpu: &Gpu, logits: P, bias: P, t: usize, e: usize, k: usize, 
 // ---- KDA ---------------------------------------------------------------------------------
 
 pub fn l2_norm_heads(gpu: &Gpu, x: P, rows: usize, h: usize, d: usize, eps: f32, scale: f32) -> Result<()> {
+    let nv = d.div_ceil(128);
+    if vec4_ok(&[x], &[d]) && (1..=4).contains(&nv) {
+        let name = format!("l2_norm_heads4_v{nv}");
+        let f = gpu.func("kda", &[], &name)?;
+        let mut a = KArgs::new().arg(x).arg(rows as i32).arg(h as i32).arg(d as i32).arg(eps).arg(scale);
+        // one warp per two (row, head) units
+        return gpu.launch(f, grid1(gpu, (rows * h).div_ceil(2) * 32), (256, 1, 1), 0, &mut a, &name);
+    }
     let f = gpu.func("kda", &[], "l2_norm_heads")?;
     let mut a = KArgs::new().arg(x).arg(rows as i32).arg(h as i32).arg(d as i32).arg(eps).arg(scale);
     gpu.launch(f, grid1(gpu, rows * h * 32), (256, 1, 1), 0, &mut a, "l2_norm_heads")
@@ -157,7 +311,9 @@ pub fn l2_norm_heads(gpu: &Gpu, x: P, rows: usize, h: usize, d: usize, eps: f32,
 
 #[allow(clippy::too_many_arguments)]
 pub fn kda_gate(gpu: &Gpu, z: P, a_log: P, dt_bias: P, g: P, rows: usize, h: usize, d: usize, lower_bound: Option<f32>) -> Result<()> {
-    let f = gpu.func("kda", &[], "kda_gate")?;
+    let vec = vec4_ok(&[z, dt_bias, g], &[d]);
+    let name = if vec { "kda_gate4" } else { "kda_gate" };
+    let f = gpu.func("kda", &[], name)?;
     let mut a = KArgs::new()
         .arg(z)
         .arg(a_log)
@@ -168,7 +324,11 @@ pub fn kda_gate(gpu: &Gpu, z: P, a_log: P, dt_bias: P, g: P, rows: usize, h: usi
         .arg(d as i32)
         .arg(lower_bound.is_some() as i32)
         .arg(lower_bound.unwrap_or(0.0));
-    gpu.launch(f, grid1(gpu, rows * h * d), (256, 1, 1), 0, &mut a, "kda_gate")
+    if vec {
+        let (grid, block) = grid_rows4(gpu, h * d / 4, rows, 4);
+        return gpu.launch(f, grid, block, 0, &mut a, name);
+    }
+    gpu.launch(f, grid1(gpu, rows * h * d), (256, 1, 1), 0, &mut a, name)
 }
 
 pub fn sigmoid(gpu: &Gpu, x: P, y: P, n: usize) -> Result<()> {
@@ -257,6 +417,24 @@ pub fn kda_recurrent(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, s: P, out: P, t
 
 #[allow(clippy::too_many_arguments)]
 pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, h: usize, d: usize, eps: f32, bf16_out: bool) -> Result<()> {
+    let nv = d.div_ceil(128);
+    if vec4_ok(&[o, r, w, out], &[d, rs]) && (1..=4).contains(&nv) {
+        let name = format!("kda_gated_norm4_v{nv}");
+        let f = gpu.func("kda", &[], &name)?;
+        let mut a = KArgs::new()
+            .arg(o)
+            .arg(r)
+            .arg(rs as i64)
+            .arg(w)
+            .arg(out)
+            .arg(t as i32)
+            .arg(h as i32)
+            .arg(d as i32)
+            .arg(eps)
+            .arg(bf16_out as i32);
+        // one warp per two (t, h) units
+        return gpu.launch(f, grid1(gpu, (t * h).div_ceil(2) * 32), (256, 1, 1), 0, &mut a, &name);
+    }
     let f = gpu.func("kda", &[], "kda_gated_norm")?;
     let mut a = KArgs::new()
         .arg(o)
