@@ -378,4 +378,11 @@ pub trait Backend: Send + Sync {
         experts: &Self::Experts,
         betas: SituBetas,
     ) -> OpResult<Self::Buf>;
+
+    /// [`Backend::moe_experts`] of several inputs (the token chunks of one layer) over the same
+    /// experts, with the same results; a backend may share work between them (the CUDA dense
+    /// path dequantises each expert group once for all).
+    fn moe_experts_many(&self, inputs: &[(&Self::Buf, &Routing)], experts: &Self::Experts, betas: SituBetas) -> OpResult<Vec<Self::Buf>> {
+        inputs.iter().map(|(x, r)| self.moe_experts(x, r, experts, betas)).collect()
+    }
 }

@@ -430,9 +430,12 @@ pub fn prefill_with<B: Backend>(
         let mut gaps = Vec::new();
         let nchunks = chunks.len();
         match &w.ffn {
-            FfnWeights::LatentMoe(mw) if mw.experts.is_none() => {
-                // Experts streamed in chunks: every token chunk's front first, then the experts
-                // (each expert chunk over all token chunks, so they cross PCIe once), then the backs.
+            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (nchunks > 1 && !opts.park_on_host) => {
+                // Every token chunk's front first, then the routed experts of all chunks, then the
+                // backs: streamed experts come in chunks, each over all token chunks (they cross
+                // PCIe once); resident ones run once over all token chunks (a backend may share
+                // work between chunks: the CUDA dense path dequantises each expert group once).
+                // Routed experts are position-wise, so the results equal chunk-by-chunk order.
                 let mut mids = Vec::with_capacity(nchunks);
                 let mut fronts = Vec::with_capacity(nchunks);
                 for (ci, ch) in chunks.iter_mut().enumerate() {
@@ -443,7 +446,11 @@ pub fn prefill_with<B: Backend>(
                     fronts.push(f);
                 }
                 let inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().map(|f| (&f.x_lat, &f.routing)).collect();
-                let outs = feed.experts_in_chunks(model, l, &inputs).with_context(|| format!("layer {l}: routed experts"))?;
+                let outs = match &mw.experts {
+                    Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
+                    None => feed.experts_in_chunks(model, l, &inputs),
+                }
+                .with_context(|| format!("layer {l}: routed experts"))?;
                 ensure!(outs.len() == nchunks, "layer {l}: the weight feed returned {} expert outputs for {nchunks} token chunks", outs.len());
                 drop(inputs);
                 drop(fronts);

@@ -637,7 +637,6 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         l: usize,
         inputs: &[(&crate::cuda::backend::CudaBuf, &crate::backend::Routing)],
     ) -> Result<Vec<crate::cuda::backend::CudaBuf>> {
-        use crate::backend::DeviceBuf;
         use crate::stream_plan::Unit;
         let b = &*model.backend;
         let plan = self.sw.plan.clone();
@@ -645,15 +644,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         let n = plan.image_of(l)?.experts.len();
         let mut plans = Vec::with_capacity(inputs.len());
         for (x_lat, routing) in inputs {
-            let (t, k) = (x_lat.rows(), routing.top_k);
-            ensure!(routing.ids.len() == t * k && routing.weights.len() == t * k, "moe_experts: routing for {} rows, x has {t}", routing.rows());
-            if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= n) {
-                bail!("moe_experts: expert id {bad} out of range (layer has {n} experts)");
-            }
-            let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
-            let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
-            let w_d = b.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
-            plans.push(b.moe_prepare(x_lat, ids_d.ptr, w_d, k, n, &layout)?);
+            plans.push(b.moe_plan_for(x_lat, routing, n, &layout)?);
         }
         let mut covered = 0;
         while covered < n {

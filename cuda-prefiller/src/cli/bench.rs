@@ -567,6 +567,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     let st = std::sync::Mutex::new(st);
     let mut bytes = 0usize;
     let mut fill = 0.0;
+    let mut stall = 0.0;
     std::thread::scope(|sc| -> Result<()> {
         // Uploads run ahead on their own thread, in unit order, each as soon as the unit that last
         // used its slot has been issued on the compute stream (the copy stream then waits for it
@@ -613,6 +614,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 ensure!(u == i, "unit {u} uploaded, {i} expected");
                 bytes += s.bytes;
                 fill += s.fill_s;
+                stall += s.stall_s;
                 Some(e)
             };
             if mode != Mode::Transfer {
@@ -726,7 +728,13 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         per[l].wait_ms += e0.ms_to(e1)? as f64;
         per[l].compute_ms += e1.ms_to(e2)? as f64;
     }
-    eprintln!("{mode:?} run at {t} tokens: {wall:.3} s");
+    if mode == Mode::Compute {
+        eprintln!("{mode:?} run at {t} tokens: {wall:.3} s");
+    } else {
+        // host side of the uploads: filling the staging buffers, and waiting for a staging
+        // buffer's previous DMA (copy stream behind: PCIe, or a slot not yet free)
+        eprintln!("{mode:?} run at {t} tokens: {wall:.3} s (staging fill {fill:.3} s, waits for staging {stall:.3} s)");
+    }
     Ok((wall, per, bytes, fill))
 }
 

@@ -526,6 +526,19 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Plan + gather in one step.
+    /// A plan for host-side `routing` of `x_lat` over `n` experts (ids checked, uploaded).
+    pub fn moe_plan_for(&self, x_lat: &CudaBuf, routing: &Routing, n: usize, layout: &ExpertLayout) -> Result<MoePlan> {
+        let (t, kk) = (x_lat.rows, routing.top_k);
+        ensure!(routing.ids.len() == t * kk && routing.weights.len() == t * kk, "moe_experts: routing for {} rows, x has {t}", routing.rows());
+        if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= n) {
+            bail!("moe_experts: expert id {bad} out of range (layer has {n} experts)");
+        }
+        let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
+        let ids_d = self.upload_bytes(bytemuck::cast_slice(&ids))?;
+        let w_d = self.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
+        self.moe_prepare(x_lat, ids_d.ptr, w_d, kk, n, layout)
+    }
+
     pub fn moe_prepare(&self, x_lat: &CudaBuf, ids: CUdeviceptr, weights: DevMem, top_k: usize, e: usize, layout: &ExpertLayout) -> Result<MoePlan> {
         ensure!(x_lat.cols == layout.latent, "moe: x_lat has {} columns, experts take {}", x_lat.cols, layout.latent);
         let plan = self.moe_plan(ids, weights, x_lat.rows, top_k, e, layout)?;
@@ -806,17 +819,37 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x_lat: &CudaBuf, routing: &Routing, experts: &CudaExperts, betas: SituBetas) -> OpResult<CudaBuf> {
-        let (t, kk) = (x_lat.rows, routing.top_k);
-        ensure!(routing.ids.len() == t * kk && routing.weights.len() == t * kk, "moe_experts: routing for {} rows, x has {t}", routing.rows());
-        if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= experts.n) {
-            bail!("moe_experts: expert id {bad} out of range (layer has {} experts)", experts.n);
-        }
-        let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
-        let ids_d = self.upload_bytes(bytemuck::cast_slice(&ids))?;
-        let w_d = self.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
         let layout = experts.layout;
-        let plan = self.moe_prepare(x_lat, ids_d.ptr, w_d, kk, experts.n, &layout)?;
+        let plan = self.moe_plan_for(x_lat, routing, experts.n, &layout)?;
         self.moe_run_chunk(&plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
         self.moe_combine(&plan, layout.latent)
+    }
+
+    /// The token chunks' plans in groups that fit half the available device memory, each group
+    /// in one pass over the experts ([`CudaBackend::moe_run_chunks`]); results identical to
+    /// [`Backend::moe_experts`] per chunk.
+    fn moe_experts_many(&self, inputs: &[(&CudaBuf, &Routing)], experts: &CudaExperts, betas: SituBetas) -> OpResult<Vec<CudaBuf>> {
+        let layout = experts.layout;
+        let esz = if self.bf16() { 2 } else { 4 };
+        // grouped input and f32 output per routed row (+ the SiTU rows the mma.sync path keeps)
+        let per_row = layout.latent * (esz + 4) + layout.inter * esz;
+        let budget = self.gpu.mem_available()? / 2;
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut i = 0;
+        while i < inputs.len() {
+            let (mut j, mut bytes) = (i, 0usize);
+            while j < inputs.len() && (j == i || bytes + inputs[j].1.ids.len() * per_row <= budget) {
+                bytes += inputs[j].1.ids.len() * per_row;
+                j += 1;
+            }
+            let plans = inputs[i..j].iter().map(|(x, r)| self.moe_plan_for(x, r, experts.n, &layout)).collect::<Result<Vec<_>>>()?;
+            let refs: Vec<&MoePlan> = plans.iter().collect();
+            self.moe_run_chunks(&refs, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
+            for p in &plans {
+                out.push(self.moe_combine(p, layout.latent)?);
+            }
+            i = j;
+        }
+        Ok(out)
     }
 }

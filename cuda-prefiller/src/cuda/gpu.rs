@@ -148,6 +148,27 @@ impl Gpu {
         Ok((f, t))
     }
 
+    /// Bytes an allocation could get now: free device memory plus what the stream-ordered pool
+    /// holds without using (freed allocations it keeps for reuse).
+    pub fn mem_available(&self) -> Result<usize> {
+        let (free, _) = self.mem_info()?;
+        let mut pooled = 0usize;
+        // SAFETY: the context is bound (mem_info); attribute queries write one u64 each.
+        unsafe {
+            let mut pool = std::ptr::null_mut();
+            let dev = self.ctx.cu_device();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == sys::CUresult::CUDA_SUCCESS {
+                let (mut reserved, mut used) = (0u64, 0u64);
+                let a = sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved as *mut u64 as *mut c_void);
+                let b = sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used as *mut u64 as *mut c_void);
+                if a == sys::CUresult::CUDA_SUCCESS && b == sys::CUresult::CUDA_SUCCESS {
+                    pooled = reserved.saturating_sub(used) as usize;
+                }
+            }
+        }
+        Ok(free + pooled)
+    }
+
     /// A kernel function from `kernels/<module>.cu` compiled with `defines` (e.g. `["MLA_DQK=192"]`).
     pub fn func(&self, module: &str, defines: &[String], name: &str) -> Result<Func> {
         let key = format!("{module}|{}", defines.join(","));
