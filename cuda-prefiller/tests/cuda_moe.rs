@@ -197,3 +197,41 @@ fn cuda_mxfp4_dequant_bit_exact() {
     assert_rel("one-hot expert outputs", &y, &yc, 1e-6);
     let _ = (DType::U8, Cow::Borrowed("unused"));
 }
+
+/// `moe_experts_many` (the token chunks of one layer in one pass over the experts; on the dense
+/// path each expert group is dequantised once for all chunks) gives each chunk what
+/// `moe_experts` gives it alone, on both BF16 paths, with uneven chunk sizes (one of 1 row).
+#[test]
+fn cuda_moe_many_chunks_equal_one_by_one() {
+    let Some(mut gpu) = cuda(Precision::Bf16) else { return };
+    let (n, inter, latent, top_k) = (16, 192, 256, 4);
+    let ex = experts(n, inter, latent, 77);
+    let hw = host(&ex, inter, latent);
+    let ge = gpu.load_experts(&hw).unwrap();
+    let betas = SituBetas { beta: 4.0, linear_beta: Some(25.0) };
+    let mut r = rng(9);
+    let chunks: Vec<(usize, Routing, Vec<f32>)> = [300usize, 1, 399]
+        .iter()
+        .map(|&t| {
+            let ids: Vec<u32> = (0..t * top_k).map(|i| ((i * 7 + i / top_k) % n) as u32).collect();
+            let weights: Vec<f32> = uniform(&mut r, t * top_k, 1.0).iter().map(|w| 0.25 + w.abs()).collect();
+            (t, Routing { top_k, ids, weights, gap: vec![1.0; t] }, normal(&mut r, t * latent, 1.0))
+        })
+        .collect();
+    dense_groups_of(&mut gpu, 3, inter, latent);
+    gpu.moe_dense.slice_rows = 64;
+    for path in [MoePath::Dense, MoePath::Mma] {
+        gpu.moe_path = path;
+        let xs: Vec<_> = chunks.iter().map(|(t, _, x)| gpu.upload(x, *t, latent).unwrap()).collect();
+        let inputs: Vec<(&_, &Routing)> = xs.iter().zip(&chunks).map(|(x, c)| (x, &c.1)).collect();
+        let many = gpu.moe_experts_many(&inputs, &ge, betas).unwrap();
+        assert_eq!(many.len(), chunks.len());
+        for (ci, ((x, routing), y)) in inputs.iter().zip(&many).enumerate() {
+            let alone = gpu.download(&gpu.moe_experts(x, routing, &ge, betas).unwrap()).unwrap();
+            let got = gpu.download(y).unwrap();
+            let d = rel(&got, &alone);
+            eprintln!("{path:?}: chunk {ci} ({} rows): all chunks in one pass vs alone: rel diff {d:.2e}", routing.rows());
+            assert!(d <= 1e-6, "{path:?}: chunk {ci} differs by {d:.2e} when run with the other chunks");
+        }
+    }
+}
