@@ -575,31 +575,41 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         // per-expert row counts back), which must not hold up the transfers.
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(usize, Event, crate::streamer::UploadStats)>>();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Event)>();
-        if mode != Mode::Compute {
+        let uploader = if mode != Mode::Compute {
             let (upload, free_after, st) = (&upload, &free_after, &st);
-            sc.spawn(move || {
+            Some(sc.spawn(move || -> Result<(f64, Vec<(Event, Event)>)> {
                 let mut done: Vec<Option<Event>> = (0..n_units).map(|_| None).collect();
+                // diagnostics: host time waiting for compute to issue a slot's previous user, and
+                // the copy stream's GPU time waiting for that user to finish
+                let (mut host_wait, mut gpu_waits) = (0.0, Vec::new());
                 for n in 0..n_units {
-                    let free = match free_after[n] {
-                        Some(f) if mode == Mode::Overlap => {
-                            while done[f].is_none() {
-                                match done_rx.recv() {
-                                    Ok((u, e)) => done[u] = Some(e),
-                                    Err(_) => return, // the compute side stopped (an error)
-                                }
+                    if let Some(f) = free_after[n].filter(|_| mode == Mode::Overlap) {
+                        let t0 = Instant::now();
+                        while done[f].is_none() {
+                            match done_rx.recv() {
+                                Ok((u, e)) => done[u] = Some(e),
+                                Err(_) => return Ok((host_wait, gpu_waits)), // the compute side stopped (an error)
                             }
-                            done[f].as_ref()
                         }
-                        _ => None,
-                    };
-                    let r = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned")).and_then(|mut s| upload(&mut s, n, free)).map(|(e, s)| (n, e, s));
+                        host_wait += t0.elapsed().as_secs_f64();
+                        let (a, b) = (g.event()?, g.event()?);
+                        a.record(g.copy_stream())?;
+                        done[f].as_ref().expect("received above").wait_on(g.copy_stream())?;
+                        b.record(g.copy_stream())?;
+                        gpu_waits.push((a, b));
+                    }
+                    let r = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned")).and_then(|mut s| upload(&mut s, n, None)).map(|(e, s)| (n, e, s));
                     let failed = r.is_err();
                     if ready_tx.send(r).is_err() || failed {
-                        return;
+                        break;
                     }
                 }
-            });
-        }
+                Ok((host_wait, gpu_waits))
+            }))
+        } else {
+            None
+        };
+        let (mut wait_uploads, mut issue) = (0.0, 0.0);
         for i in 0..n_units {
             let ready = if mode == Mode::Compute {
                 // compute alone: load the unit's weights first, untimed (only GPU compute intervals count)
@@ -610,13 +620,16 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 e.sync()?;
                 None
             } else {
+                let t0 = Instant::now();
                 let (u, e, s) = ready_rx.recv().map_err(|_| anyhow::anyhow!("unit {i}: the upload thread stopped"))??;
+                wait_uploads += t0.elapsed().as_secs_f64();
                 ensure!(u == i, "unit {u} uploaded, {i} expected");
                 bytes += s.bytes;
                 fill += s.fill_s;
                 stall += s.stall_s;
                 Some(e)
             };
+            let t_issue = Instant::now();
             if mode != Mode::Transfer {
                 let e0 = g.event()?;
                 e0.record(g.stream())?;
@@ -684,6 +697,18 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                     // the upload thread has ended once every unit is uploaded: fine
                     let _ = done_tx.send((i, d));
                 }
+            }
+            issue += t_issue.elapsed().as_secs_f64();
+        }
+        drop(done_tx);
+        if let Some(h) = uploader {
+            let (host_wait, gpu_waits) = h.join().map_err(|_| anyhow::anyhow!("the upload thread panicked"))??;
+            if mode == Mode::Overlap {
+                g.sync_copy()?;
+                let gpu_wait: f64 = gpu_waits.iter().map(|(a, b)| a.ms_to(b).map(|x| x as f64 / 1e3)).sum::<Result<f64>>()?;
+                eprintln!(
+                    "overlap at {t} tokens: uploads waited {host_wait:.3} s for compute to issue a slot's previous user, the copy stream {gpu_wait:.3} s for it to finish; compute waited {wait_uploads:.3} s for uploads and took {issue:.3} s to issue"
+                );
             }
         }
         Ok(())
