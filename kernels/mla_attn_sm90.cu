@@ -19,9 +19,15 @@
 //
 // Entry points (launcher: cuda-prefiller/src/cuda/kernels.rs, mla_attn_sm90):
 //   mla_attn_sm90_m192    3 warpgroups (192 rows), 64-key tiles, 2 stages (fewer K/V bytes per FLOP;
-//                         the default: 441 TFLOP/s at 32k tokens on the H200)
-//   mla_attn_sm90         2 warpgroups (128 rows), 128-key tiles, 2 stages (419)
-//   mla_attn_sm90_m192s3  3 warpgroups, 64-key tiles, 3 stages (433)
+//                         the default: 448 TFLOP/s at 32k and 128k tokens on the H200)
+//   mla_attn_sm90         2 warpgroups (128 rows), 128-key tiles, 2 stages (420)
+//   mla_attn_sm90_m192s3  3 warpgroups, 64-key tiles, 3 stages (436)
+// and the software-pipelined, warp-specialised form further down (mla_sm90_ws_body; compiled, not
+// yet run on a GPU, selected only by K3_MLA_KERNEL=wgmma:<name>):
+//   mla_attn_sm90_p192    3 consumer warpgroups + producer, 64-key tiles, 3 stages
+//   mla_attn_sm90_p192t   the same, consumer warpgroups taking turns to issue their wgmma
+//   mla_attn_sm90_p128    2 consumer warpgroups + producer, 128-key tiles, 2 stages
+//   mla_attn_sm90_p128t   the same with turns
 #ifndef MLA_DQK
 #define MLA_DQK 192
 #endif
@@ -71,13 +77,13 @@ __device__ __forceinline__ void wg_mma_ss64(float* d, unsigned long long da, uns
 }
 
 // D[64x128] += A[64x16] (registers, in the mma.sync A-fragment order) * B[16x128] (shared, descriptor, K-major).
-__device__ __forceinline__ void wg_mma_rs128(float* d, const u32* a, unsigned long long db) {
+__device__ __forceinline__ void wg_mma_rs128(float* d, const u32* a, unsigned long long db, int accumulate = 1) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // Ties N accumulator registers to this point (the compiler may not move their uses across it).
@@ -253,6 +259,316 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
     }
 }
 
+// ---- warp-specialised, software-pipelined form
+//
+// A producer warpgroup loads the K and V^T tiles with cp.async into NSTG stages each; an mbarrier
+// per stage says "full" (the 128 producer threads arrive through cp.async.mbarrier.arrive.noinc,
+// each once its own copies have landed) and one says "empty" (one arrival per consumer warp when
+// its wgmma reading the stage has completed). K and V^T have separate rings: a K stage is released
+// as soon as Q.K^T has completed, a V^T stage after P.V.
+//
+// Each consumer warpgroup (64 query rows) runs, per key tile j >= 1:
+//   issue S_j = Q.K_j^T; issue O += P_{j-1}.V_{j-1}; wait for S_j only; softmax of S_j (the exp
+//   work runs while P.V is on the tensor cores); wait for P.V; rescale O by the new max.
+// So O and P_{j-1} stay in flight over the softmax, and the kernel needs registers for O (64),
+// P_{j-1}, S_j and P_j: the producer gives its registers to the consumers (setmaxnreg).
+// With PP the consumer warpgroups also take turns to issue their wgmma (named barriers), so that
+// their tensor-core phases follow one another.
+//
+// Shared memory: Q (NWG*64 rows), NSTG K tiles, NSTG V^T tiles, 4*NSTG mbarriers, alignment.
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One arrival by lane 0 of the warp (predicated inside the asm: no branch in wgmma's pipeline).
+__device__ __forceinline__ void mbar_arrive_lane0(u32 bar, int lane) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 st;\nsetp.eq.s32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar), "r"(lane)
+                 : "memory");
+}
+// One arrival when every cp.async this thread issued before it has landed (counted in the init).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits for the phase of parity `parity` of the mbarrier to complete (acquire, CTA scope).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nMBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra MBAR_WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Barrier of the 128 threads of warpgroup `wg` (ids 1.., 0 is __syncthreads).
+__device__ __forceinline__ void wg_bar(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory"); }
+// Turn-taking between consumer warpgroups: named barrier 4 + w counts warpgroup w's 128 waiting
+// threads and the 128 of the warpgroup that hands it the turn.
+__device__ __forceinline__ void wg_turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(wg + 4) : "memory"); }
+__device__ __forceinline__ void wg_turn_pass(int to) { asm volatile("bar.arrive %0, 256;\n" ::"r"(to + 4) : "memory"); }
+
+
+template <int BK>
+__device__ __forceinline__ void wg_mma_pv(float* o, const u32 (*pa)[4], u32 vt, int first) {
+    constexpr int PV = MLA_DV * 128;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wg_mma_rs128(o, pa[kk], sw128_desc(vt + (kk >> 2) * PV + (kk & 3) * 32), !(first && kk == 0));
+}
+
+template <int NWG, int BK, int NSTG, bool PP>
+__device__ __forceinline__ void mla_sm90_ws_body(const bf16_t* __restrict__ Qb, const bf16_t* __restrict__ Kb,
+        const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os, int Tq, int pos0, float scale,
+        unsigned char* smraw) {
+    constexpr int BQ = NWG * 64;
+    constexpr int PQ = BQ * 128;           // bytes of one Q panel
+    constexpr int PK = BK * 128;           // bytes of one K panel
+    constexpr int PV = MLA_DV * 128;       // bytes of one V^T panel (64 keys)
+    constexpr int KST = W_QP * PK;         // one K stage
+    constexpr int VST = (BK / 64) * PV;    // one V^T stage
+    constexpr int NS = BK / 2;             // S accumulators per thread
+    // registers after setmaxnreg: launch 65536 / (128 (NWG + 1)), producer 24, consumers the rest
+    constexpr int CREGS = NWG == 2 ? 240 : 160;
+    const u32 sbase = (smem_u32(smraw) + 1023u) & ~1023u;
+    const u32 kbase = sbase + W_QP * PQ, vbase = kbase + NSTG * KST;
+    // mbarriers: full K, full V, empty K, empty V; NSTG each
+    const u32 bars = vbase + NSTG * VST;
+#define FULL_K(s) (bars + 8 * (s))
+#define FULL_V(s) (bars + 8 * (NSTG + (s)))
+#define EMPTY_K(s) (bars + 8 * (2 * NSTG + (s)))
+#define EMPTY_V(s) (bars + 8 * (3 * NSTG + (s)))
+    const int qb = gridDim.x - 1 - blockIdx.x;  // heaviest query blocks of a head first
+    const int h = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int T = pos0 + Tq;
+    const int last_row = min(pos0 + qb * BQ + BQ, T) - 1;
+    const int ntiles = last_row / BK + 1;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < NSTG; ++s) {
+            mbar_init(FULL_K(s), 128);
+            mbar_init(FULL_V(s), 128);
+            mbar_init(EMPTY_K(s), 4 * NWG);
+            mbar_init(EMPTY_V(s), 4 * NWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp >= 4 * NWG) {
+        // producer warpgroup: K_j, then V_j, each into stage j % NSTG once every consumer warp
+        // released the tile NSTG before it
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::);
+        const int pt = tid - 4 * NWG * 32;
+        const bf16_t* Kh = Kb + (i64)h * T * MLA_DQK;
+        const bf16_t* Vh = Vt + (i64)h * MLA_DV * vt_ld;
+        for (int j = 0; j < ntiles; ++j) {
+            const int s = j % NSTG;
+            const u32 par = ((j / NSTG) + 1) & 1;
+            const int k0 = j * BK;
+            if (j >= NSTG) mbar_wait(EMPTY_K(s), par);
+            const u32 kd = kbase + s * KST;
+#pragma unroll 1
+            for (int c = pt; c < BK * (MLA_DQK / 8); c += 128) {
+                int r = c / (MLA_DQK / 8), cc = c % (MLA_DQK / 8);
+                bool ok = k0 + r < T;
+                cp16(kd + (cc >> 3) * PK + swz(r, cc & 7), Kh + (i64)(ok ? k0 + r : 0) * MLA_DQK + cc * 8, ok ? 16 : 0);
+            }
+            mbar_arrive_cp_async(FULL_K(s));
+            if (j >= NSTG) mbar_wait(EMPTY_V(s), par);
+            const u32 vd = vbase + s * VST;
+#pragma unroll 1
+            for (int c = pt; c < MLA_DV * (BK / 8); c += 128) {
+                int r = c / (BK / 8), cc = c % (BK / 8);
+                cp16(vd + (cc >> 3) * PV + swz(r, cc & 7), Vh + (i64)r * vt_ld + k0 + cc * 8, 16);
+            }
+            mbar_arrive_cp_async(FULL_V(s));
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CREGS));
+
+    // consumer warpgroup wg: 64 query rows
+    const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, t4 = lane & 3, wt = tid & 127;
+    const bf16_t* Qh = Qb + (i64)h * Tq * MLA_DQK;
+    const int row_base = pos0 + qb * BQ + wg * 64;
+    const int rowA = row_base + wl * 16 + g, rowB = rowA + 8;
+    const int wg_last = min(row_base + 63, T - 1);
+    const int nt = wg_last / BK + 1;  // tiles this warpgroup computes (tiles nt.. are after all its rows)
+    for (int c = wt; c < 64 * (MLA_DQK / 8); c += 128) {
+        int r = wg * 64 + c / (MLA_DQK / 8), cc = c % (MLA_DQK / 8);
+        int qi = qb * BQ + r;
+        bool ok = qi < Tq;
+        cp16(sbase + (cc >> 3) * PQ + swz(r, cc & 7), Qh + (i64)(ok ? qi : 0) * MLA_DQK + cc * 8, ok ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    wg_bar(wg);
+
+    const float sl2 = scale * 1.4426950408889634f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    // O is written by the first P.V without accumulating (no non-wgmma definition of the
+    // accumulators before the pipelined loop)
+    float o[64];
+    u32 pp[BK / 16][4];  // P of the previous tile, the A operand of its P.V
+
+    // S = Q.K_j^T into s_ (issued and committed, not waited for)
+    auto issue_s = [&](float* s_, int j) {
+        const u32 kt = kbase + (j % NSTG) * KST;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < MLA_DQK / 16; ++kk) {
+            unsigned long long da = sw128_desc(sbase + (kk >> 2) * PQ + wg * 64 * 128 + (kk & 3) * 32);
+            unsigned long long db = sw128_desc(kt + (kk >> 2) * PK + (kk & 3) * 32);
+            wg_mma_s<BK>(s_, da, db, kk > 0);
+        }
+        wg_commit();
+    };
+    // masks tile j of s_, updates the running max and sum, writes P into pa; returns alpha per row
+    auto softmax = [&](float* s_, int j, u32 (*pa)[4], float* alpha) {
+        const int k0 = j * BK;
+        if (k0 + BK - 1 > row_base || k0 + BK > T) {
+#pragma unroll
+            for (int i = 0; i < BK / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int key = k0 + 8 * i + 2 * t4 + (e & 1);
+                    int row = e < 2 ? rowA : rowB;
+                    if (key > row || key >= T) s_[4 * i + e] = NEG_INF;
+                }
+        }
+        float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int i = 0; i < BK / 8; ++i) {
+            mx[0] = fmaxf(mx[0], fmaxf(s_[4 * i], s_[4 * i + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s_[4 * i + 2], s_[4 * i + 3]));
+        }
+        float ms[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            // mx is finite: key 0 of tile 0 is visible to every row, and tiles run in order
+            alpha[r] = ex2((mrow[r] - mx[r]) * sl2);
+            mrow[r] = mx[r];
+            ms[r] = mx[r] * sl2;
+        }
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < BK / 8; ++i) {
+            float p0 = ex2(fmaf(s_[4 * i], sl2, -ms[0])), p1 = ex2(fmaf(s_[4 * i + 1], sl2, -ms[0]));
+            float p2 = ex2(fmaf(s_[4 * i + 2], sl2, -ms[1])), p3 = ex2(fmaf(s_[4 * i + 3], sl2, -ms[1]));
+            ps[0] += p0 + p1;
+            ps[1] += p2 + p3;
+            pa[i >> 1][(i & 1) * 2 + 0] = bf16x2_rn(p0, p1);
+            pa[i >> 1][(i & 1) * 2 + 1] = bf16x2_rn(p2, p3);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) lrow[r] = lrow[r] * alpha[r] + ps[r];
+    };
+    const int next_wg = wg + 1 == NWG ? 0 : wg + 1;
+    if (PP && wg == NWG - 1) wg_turn_pass(0);
+
+    {  // tile 0
+        float s_[NS], alpha[2];
+        mbar_wait(FULL_K(0), 0);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        issue_s(s_, 0);
+        wg_wait0();
+        wg_fence_regs<NS>(s_);
+        mbar_arrive_lane0(EMPTY_K(0), lane);
+        softmax(s_, 0, pp, alpha);
+    }
+    // tile j >= 1: S_j, P_{j-1}.V_{j-1} from pprev, softmax of S_j into pnext
+    auto step = [&](int j, u32 (*pprev)[4], u32 (*pnext)[4]) {
+        const int s = j % NSTG, sp = (j - 1) % NSTG;
+        float s_[NS], alpha[2];
+        mbar_wait(FULL_K(s), (j / NSTG) & 1);
+        mbar_wait(FULL_V(sp), ((j - 1) / NSTG) & 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (PP) wg_turn_wait(wg);
+        issue_s(s_, j);
+        wg_mma_pv<BK>(o, pprev, vbase + sp * VST, j == 1);
+        wg_commit();
+        if (PP) wg_turn_pass(next_wg);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        wg_fence_regs<NS>(s_);
+        mbar_arrive_lane0(EMPTY_K(s), lane);
+        softmax(s_, j, pnext, alpha);
+        wg_wait0();
+        wg_fence_regs<64>(o);
+        mbar_arrive_lane0(EMPTY_V(sp), lane);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            o[4 * i] *= alpha[0];
+            o[4 * i + 1] *= alpha[0];
+            o[4 * i + 2] *= alpha[1];
+            o[4 * i + 3] *= alpha[1];
+        }
+    };
+    // P.V of the last tile (nt - 1) from p
+    auto last_pv = [&](u32 (*p)[4]) {
+        const int sp = (nt - 1) % NSTG;
+        mbar_wait(FULL_V(sp), ((nt - 1) / NSTG) & 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        wg_fence();
+        wg_mma_pv<BK>(o, p, vbase + sp * VST, nt == 1);
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs<64>(o);
+        mbar_arrive_lane0(EMPTY_V(sp), lane);
+    };
+    // two P buffers in turn (no register copies between a wgmma's operands)
+    u32 pq[BK / 16][4];
+    int j = 1;
+    for (; j + 1 < nt; j += 2) {
+        step(j, pp, pq);
+        step(j + 1, pq, pp);
+    }
+    if (j < nt) {
+        step(j, pp, pq);
+        last_pv(pq);
+    } else {
+        last_pv(pp);
+    }
+    // tiles after every row of this warpgroup: released unread (the stages' phases stay in step);
+    // the turns they carry keep every warpgroup at ntiles - 1 turns
+    for (int j = nt; j < ntiles; ++j) {
+        const int s = j % NSTG;
+        if (PP) {
+            wg_turn_wait(wg);
+            wg_turn_pass(next_wg);
+        }
+        mbar_wait(FULL_K(s), (j / NSTG) & 1);
+        mbar_arrive_lane0(EMPTY_K(s), lane);
+        mbar_wait(FULL_V(s), (j / NSTG) & 1);
+        mbar_arrive_lane0(EMPTY_V(s), lane);
+    }
+    if (PP && wg == 0) wg_turn_wait(0);  // the last warpgroup's last pass
+#undef FULL_K
+#undef FULL_V
+#undef EMPTY_K
+#undef EMPTY_V
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
+        lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int row = r ? rowB : rowA;
+        if (row >= T) continue;
+        float inv = 1.0f / lrow[r];
+        float* orow = out + (i64)(row - pos0) * os + (i64)blockIdx.y * MLA_DV;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            *(float2*)(orow + 8 * i + 2 * t4) = make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    }
+}
+
 #define MLA_SM90_ENTRY(NAME, NWG, BK, NSTG)                                                                              \
     extern "C" __global__ void __launch_bounds__(NWG * 128, 1) NAME(const bf16_t* __restrict__ Qb,                      \
             const bf16_t* __restrict__ Kb, const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os,  \
@@ -263,3 +579,15 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
 MLA_SM90_ENTRY(mla_attn_sm90, 2, 128, 2)
 MLA_SM90_ENTRY(mla_attn_sm90_m192, 3, 64, 2)
 MLA_SM90_ENTRY(mla_attn_sm90_m192s3, 3, 64, 3)
+
+#define MLA_SM90_WS_ENTRY(NAME, NWG, BK, NSTG, PP)                                                                      \
+    extern "C" __global__ void __launch_bounds__(NWG * 128 + 128, 1) NAME(const bf16_t* __restrict__ Qb,                 \
+            const bf16_t* __restrict__ Kb, const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os,  \
+            int Tq, int pos0, int H, float scale) {                                                                     \
+        extern __shared__ __align__(1024) unsigned char smraw[];                                                         \
+        mla_sm90_ws_body<NWG, BK, NSTG, PP>(Qb, Kb, Vt, vt_ld, out, os, Tq, pos0, scale, smraw);                          \
+    }
+MLA_SM90_WS_ENTRY(mla_attn_sm90_p192, 3, 64, 3, false)
+MLA_SM90_WS_ENTRY(mla_attn_sm90_p192t, 3, 64, 3, true)
+MLA_SM90_WS_ENTRY(mla_attn_sm90_p128, 2, 128, 2, false)
+MLA_SM90_WS_ENTRY(mla_attn_sm90_p128t, 2, 128, 2, true)

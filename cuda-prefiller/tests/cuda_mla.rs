@@ -70,7 +70,13 @@ fn cuda_mla_attention_wgmma_matches_cpu_bf16() {
     let k3 = MlaDims { heads: 4, nope: 128, rope: 64, v: 128, kv_lora: 512 };
     let qk128 = MlaDims { heads: 3, nope: 64, rope: 64, v: 128, kv_lora: 256 };
     let two = MlaDims { heads: 2, ..k3 };
-    for var in MLA_SM90_VARIANTS {
+    // every default-list configuration, and the one K3_MLA_KERNEL=wgmma:<name> names if it is not
+    // among them (the pipelined configurations)
+    let extra = match MlaKernel::from_env().unwrap() {
+        MlaKernel::Wgmma(v) if !MLA_SM90_VARIANTS.contains(&v) => Some(v),
+        _ => None,
+    };
+    for var in MLA_SM90_VARIANTS.into_iter().chain(extra) {
         gpu.mla_kernel = MlaKernel::Wgmma(var); // an error (not a fallback) if it does not apply
         // several query blocks and key tiles, T not a multiple of the tiles, split prefill (pos0 > 0
         // and not a multiple of the tiles), a single row, another q/k width

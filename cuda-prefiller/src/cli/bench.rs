@@ -108,6 +108,9 @@ pub struct Args {
     /// SiTU, adds, the BF16 GEMM-input conversion) at K3 widths, with GB/s (bench_elementwise.rs).
     #[arg(long)]
     pub elementwise_only: bool,
+    /// Kernel mode: time only the MLA attention kernels (every applicable one, as without it).
+    #[arg(long)]
+    pub mla_only: bool,
     /// Kernel mode: also time the dense expert path with these settings, `;`-separated
     /// (each as `K3_MOE_DENSE`, e.g. `streams=8;streams=2,group_mib=2048`).
     #[arg(long, value_delimiter = ';')]
@@ -827,11 +830,9 @@ fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: u
 
 fn kernels(args: &Args) -> Result<()> {
     use crate::backend::KdaDims;
-    use crate::cuda::kernels as kk;
     let mut b = CudaBackend::new(Precision::Bf16)?;
     let g = b.gpu.clone();
     let (h, d) = (96usize, 128usize);
-    let (dqk, dv) = (192usize, 128usize);
     let kd = KdaDims { heads: h, head_dim: d };
     let mut rows = Vec::new();
     let moe_bench = MoeBench::new(&b)?;
@@ -844,6 +845,10 @@ fn kernels(args: &Args) -> Result<()> {
             let r = KernelRow { tokens: t, kda_ms: f64::NAN, kda_tflops: f64::NAN, mla_ms: f64::NAN, mla_tflops: f64::NAN, moe };
             println!("{}", serde_json::to_string(&r)?);
             rows.push(r);
+            continue;
+        }
+        if args.mla_only {
+            mla_times(&b, t, args.reps)?;
             continue;
         }
         // KDA, fp32
@@ -880,58 +885,7 @@ fn kernels(args: &Args) -> Result<()> {
             println!("{r}");
             continue;
         }
-        // MLA, bf16 flash kernel on packed head-major inputs
-        let qf = b.upload(&rnd(t * h * dqk, 6, -1.0, 1.0), t, h * dqk)?;
-        let kvf = b.upload(&rnd(t * h * (128 + dv), 7, -1.0, 1.0), t, h * (128 + dv))?;
-        let kpe = b.upload(&rnd(t * 64, 8, -1.0, 1.0), t, 64)?;
-        // every applicable kernel (mma.sync; each wgmma configuration on sm_90), the backend's pick
-        // reported; the first and last 512 output rows of each are compared with mma.sync's
-        let mflops = 2.0 * (t as f64 * (t as f64 + 1.0) / 2.0) * (h * (dqk + dv)) as f64;
-        let mut mla_ms = f64::NAN;
-        let mut first: Option<Vec<f32>> = None;
-        let pick = kk::MlaKernel::Auto.resolve(&g, dqk, dv)?;
-        let mut kernels_run = vec![kk::MlaKernel::MmaSync];
-        if kk::mla_sm90_supported(&g, dqk, dv) {
-            kernels_run.extend(kk::MLA_SM90_VARIANTS.iter().map(|v| kk::MlaKernel::Wgmma(*v)));
-        }
-        for kern in kernels_run {
-            let packed = kk::mla_pack(&g, kern, qf.ptr(), h * dqk, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, t, 0, h, 128, 64, dv)?;
-            let out = b.empty(t, h * dv)?;
-            let mut times = Vec::new();
-            for rep in 0..=args.reps {
-                let e0 = g.event()?;
-                let e1 = g.event()?;
-                e0.record(g.stream())?;
-                kk::mla_attn_packed(&g, &packed, out.ptr(), h * dv, 1.0 / (dqk as f32).sqrt())?;
-                e1.record(g.stream())?;
-                e1.sync()?;
-                if rep > 0 {
-                    times.push(e0.ms_to(&e1)? as f64);
-                }
-            }
-            let ms = median(times);
-            if kern == pick {
-                mla_ms = ms;
-            }
-            let rows = t.min(512);
-            let mut o = vec![0f32; 2 * rows * h * dv];
-            g.dtoh(&mut o[..rows * h * dv], out.ptr())?;
-            g.dtoh(&mut o[rows * h * dv..], out.ptr() + ((t - rows) * h * dv * 4) as u64)?;
-            let diff = match &first {
-                None => String::new(),
-                Some(f) => {
-                    let (n, d) = o.iter().zip(f).fold((0f64, 0f64), |(n, d), (&x, &y)| (n + ((x - y) as f64).powi(2), d + (y as f64).powi(2)));
-                    format!(", rel diff to mma.sync {:.2e} (first/last {rows} rows)", (n / d.max(1e-300)).sqrt())
-                }
-            };
-            let name = match kern {
-                kk::MlaKernel::Wgmma(v) => v.name,
-                _ => "mla_attn_bf16 (mma.sync)",
-            };
-            eprintln!("MLA attention {name}: {ms:.1} ms, {:.0} TFLOP/s at {t} tokens{diff}", mflops / ms / 1e9);
-            first.get_or_insert(o);
-        }
-        drop((qf, kvf, kpe));
+        let (mla_ms, mflops) = mla_times(&b, t, args.reps)?;
         let m = moe_bench.time(&mut b, t, args.reps, &args.moe_dense_configs)?;
         let r = KernelRow {
             tokens: t,
@@ -946,6 +900,76 @@ fn kernels(args: &Args) -> Result<()> {
     }
     moe_table(rows.iter().map(|r| &r.moe));
     Ok(())
+}
+
+/// MLA attention (bf16 flash kernels on packed head-major inputs, K3 shapes) at `t` tokens: every
+/// applicable kernel timed and logged; returns the backend pick's median ms and the FLOPs counted.
+fn mla_times(b: &CudaBackend, t: usize, reps: usize) -> Result<(f64, f64)> {
+    use crate::cuda::kernels as kk;
+    let g = b.gpu.clone();
+    let (h, dqk, dv) = (96usize, 192usize, 128usize);
+    let rnd = |n: usize, seed: u64, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n).map(|i| lo + (hi - lo) * ((((i as u64) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32)).collect()
+    };
+    // MLA, bf16 flash kernel on packed head-major inputs
+    let qf = b.upload(&rnd(t * h * dqk, 6, -1.0, 1.0), t, h * dqk)?;
+    let kvf = b.upload(&rnd(t * h * (128 + dv), 7, -1.0, 1.0), t, h * (128 + dv))?;
+    let kpe = b.upload(&rnd(t * 64, 8, -1.0, 1.0), t, 64)?;
+    // every applicable kernel (mma.sync; each wgmma configuration on sm_90), the backend's pick
+    // reported; the first and last 512 output rows of each are compared with mma.sync's
+    let mflops = 2.0 * (t as f64 * (t as f64 + 1.0) / 2.0) * (h * (dqk + dv)) as f64;
+    let mut mla_ms = f64::NAN;
+    let mut first: Option<Vec<f32>> = None;
+    let pick = kk::MlaKernel::Auto.resolve(&g, dqk, dv)?;
+    let mut kernels_run = vec![kk::MlaKernel::MmaSync];
+    if kk::mla_sm90_supported(&g, dqk, dv) {
+        kernels_run.extend(kk::MLA_SM90_VARIANTS.iter().map(|v| kk::MlaKernel::Wgmma(*v)));
+        // a configuration outside that list (the pipelined ones) when K3_MLA_KERNEL names it
+        if let kk::MlaKernel::Wgmma(v) = kk::MlaKernel::from_env()? {
+            if !kk::MLA_SM90_VARIANTS.contains(&v) {
+                kernels_run.push(kk::MlaKernel::Wgmma(v));
+            }
+        }
+    }
+    for kern in kernels_run {
+        let packed = kk::mla_pack(&g, kern, qf.ptr(), h * dqk, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, t, 0, h, 128, 64, dv)?;
+        let out = b.empty(t, h * dv)?;
+        let mut times = Vec::new();
+        for rep in 0..=reps {
+            let e0 = g.event()?;
+            let e1 = g.event()?;
+            e0.record(g.stream())?;
+            kk::mla_attn_packed(&g, &packed, out.ptr(), h * dv, 1.0 / (dqk as f32).sqrt())?;
+            e1.record(g.stream())?;
+            e1.sync()?;
+            if rep > 0 {
+                times.push(e0.ms_to(&e1)? as f64);
+            }
+        }
+        let ms = median(times);
+        if kern == pick {
+            mla_ms = ms;
+        }
+        let rows = t.min(512);
+        let mut o = vec![0f32; 2 * rows * h * dv];
+        g.dtoh(&mut o[..rows * h * dv], out.ptr())?;
+        g.dtoh(&mut o[rows * h * dv..], out.ptr() + ((t - rows) * h * dv * 4) as u64)?;
+        let diff = match &first {
+            None => String::new(),
+            Some(f) => {
+                let (n, d) = o.iter().zip(f).fold((0f64, 0f64), |(n, d), (&x, &y)| (n + ((x - y) as f64).powi(2), d + (y as f64).powi(2)));
+                format!(", rel diff to mma.sync {:.2e} (first/last {rows} rows)", (n / d.max(1e-300)).sqrt())
+            }
+        };
+        let name = match kern {
+            kk::MlaKernel::Wgmma(v) => v.name,
+            _ => "mla_attn_bf16 (mma.sync)",
+        };
+        eprintln!("MLA attention {name}: {ms:.1} ms, {:.0} TFLOP/s at {t} tokens{diff}", mflops / ms / 1e9);
+        first.get_or_insert(o);
+    }
+    drop((qf, kvf, kpe));
+    Ok((mla_ms, mflops))
 }
 
 /// Routed-expert timings of one length: both BF16 paths on the same plan.
