@@ -580,7 +580,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Event)>();
         let uploader = if mode != Mode::Compute {
             let (upload, free_after, st) = (&upload, &free_after, &st);
-            Some(sc.spawn(move || -> Result<(f64, Vec<(Event, Event)>)> {
+            Some(sc.spawn(move || -> Result<(f64, Vec<(Event, Event)>, f64)> {
                 let mut done: Vec<Option<Event>> = (0..n_units).map(|_| None).collect();
                 // diagnostics: host time waiting for compute to issue a slot's previous user, and
                 // the copy stream's GPU time waiting for that user to finish
@@ -591,7 +591,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                         while done[f].is_none() {
                             match done_rx.recv() {
                                 Ok((u, e)) => done[u] = Some(e),
-                                Err(_) => return Ok((host_wait, gpu_waits)), // the compute side stopped (an error)
+                                Err(_) => return Ok((host_wait, gpu_waits, 0.0)), // the compute side stopped (an error)
                             }
                         }
                         host_wait += t0.elapsed().as_secs_f64();
@@ -607,7 +607,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                         break;
                     }
                 }
-                Ok((host_wait, gpu_waits))
+                Ok((host_wait, gpu_waits, wall0.elapsed().as_secs_f64()))
             }))
         } else {
             None
@@ -705,12 +705,13 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         }
         drop(done_tx);
         if let Some(h) = uploader {
-            let (host_wait, gpu_waits) = h.join().map_err(|_| anyhow::anyhow!("the upload thread panicked"))??;
+            let (host_wait, gpu_waits, up_end) = h.join().map_err(|_| anyhow::anyhow!("the upload thread panicked"))??;
             if mode == Mode::Overlap {
                 g.sync_copy()?;
+                g.sync()?;
                 let gpu_wait: f64 = gpu_waits.iter().map(|(a, b)| a.ms_to(b).map(|x| x as f64 / 1e3)).sum::<Result<f64>>()?;
                 eprintln!(
-                    "overlap at {t} tokens: uploads waited {host_wait:.3} s for compute to issue a slot's previous user, the copy stream {gpu_wait:.3} s for it to finish; compute waited {wait_uploads:.3} s for uploads and took {issue:.3} s to issue"
+                    "overlap at {t} tokens: uploads waited {host_wait:.3} s for compute to issue a slot's previous user, the copy stream {gpu_wait:.3} s for it to finish; compute waited {wait_uploads:.3} s for uploads and took {issue:.3} s to issue; the last upload was issued at {up_end:.3} s, the GPU done at {:.3} s", wall0.elapsed().as_secs_f64()
                 );
             }
         }
