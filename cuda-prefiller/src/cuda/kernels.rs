@@ -552,11 +552,11 @@ impl MlaKernel {
             Err(_) | Ok("") | Ok("auto") => Ok(MlaKernel::Auto),
             Ok("mma") => Ok(MlaKernel::MmaSync),
             Ok("wgmma") => Ok(MlaKernel::Wgmma(MLA_SM90_VARIANTS[0])),
-            Ok(other) => match other.strip_prefix("wgmma:").and_then(|n| MLA_SM90_VARIANTS.iter().chain(&MLA_SM90_PIPELINED).find(|v| v.name == n)) {
+            Ok(other) => match other.strip_prefix("wgmma:").and_then(|n| MLA_SM90_VARIANTS.iter().find(|v| v.name == n)) {
                 Some(v) => Ok(MlaKernel::Wgmma(*v)),
                 None => bail!(
                     "K3_MLA_KERNEL={other:?}: expected mma, wgmma, auto or wgmma:<{}>",
-                    MLA_SM90_VARIANTS.iter().chain(&MLA_SM90_PIPELINED).map(|v| v.name).collect::<Vec<_>>().join("|")
+                    MLA_SM90_VARIANTS.iter().map(|v| v.name).collect::<Vec<_>>().join("|")
                 ),
             },
         }
@@ -577,49 +577,29 @@ impl MlaKernel {
     }
 }
 
-/// A configuration of `kernels/mla_attn_sm90.cu`: its entry point, consumer warpgroups (64 query
-/// rows each), keys per tile, cp.async stages, and whether a producer warpgroup loads the K/V tiles
-/// (mbarrier ring; else every thread loads and the warpgroups step together).
+/// A configuration of `kernels/mla_attn_sm90.cu`: its entry point, warpgroups (64 query rows
+/// each), keys per tile, cp.async stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sm90Variant {
     pub name: &'static str,
     pub warpgroups: usize,
     pub keys: usize,
     pub stages: usize,
-    pub producer: bool,
 }
 
 /// Every configuration of the wgmma kernel; the first is the default (H200, K3 widths, 96 heads:
 /// 448 / 448 TFLOP/s at 32k / 128k tokens, against 420 / 422 for 128 rows x 128 keys and 436 / 439
 /// with 3 stages; docs/cuda.md).
 pub const MLA_SM90_VARIANTS: [Sm90Variant; 3] = [
-    Sm90Variant { name: "mla_attn_sm90_m192", warpgroups: 3, keys: 64, stages: 2, producer: false },
-    Sm90Variant { name: "mla_attn_sm90", warpgroups: 2, keys: 128, stages: 2, producer: false },
-    Sm90Variant { name: "mla_attn_sm90_m192s3", warpgroups: 3, keys: 64, stages: 3, producer: false },
-];
-
-/// The software-pipelined, warp-specialised configurations (producer warpgroup, mbarrier rings,
-/// softmax of tile j under the P.V of tile j-1; `t`: the consumer warpgroups also take turns).
-/// NVRTC compiles them for sm_90a without ptxas wgmma serialisation or spills, but they have
-/// NOT run on a GPU yet: only `K3_MLA_KERNEL=wgmma:<name>` selects one (then `cuda_mla` tests it
-/// and `bench --kernels` times it too); never the default.
-pub const MLA_SM90_PIPELINED: [Sm90Variant; 4] = [
-    Sm90Variant { name: "mla_attn_sm90_p192", warpgroups: 3, keys: 64, stages: 3, producer: true },
-    Sm90Variant { name: "mla_attn_sm90_p192t", warpgroups: 3, keys: 64, stages: 3, producer: true },
-    Sm90Variant { name: "mla_attn_sm90_p128", warpgroups: 2, keys: 128, stages: 2, producer: true },
-    Sm90Variant { name: "mla_attn_sm90_p128t", warpgroups: 2, keys: 128, stages: 2, producer: true },
+    Sm90Variant { name: "mla_attn_sm90_m192", warpgroups: 3, keys: 64, stages: 2 },
+    Sm90Variant { name: "mla_attn_sm90", warpgroups: 2, keys: 128, stages: 2 },
+    Sm90Variant { name: "mla_attn_sm90_m192s3", warpgroups: 3, keys: 64, stages: 3 },
 ];
 
 impl Sm90Variant {
-    /// Shared memory: the Q block, `stages` K and V^T tiles, the stages' four mbarriers, alignment slack.
+    /// Shared memory: the Q block, `stages` K and V^T tiles, alignment slack.
     fn smem(&self, dqk: usize, dv: usize) -> usize {
-        let bars = if self.producer { 32 * self.stages } else { 0 };
-        64 * self.warpgroups * dqk * 2 + self.stages * (self.keys * dqk * 2 + dv * self.keys * 2) + bars + 1024
-    }
-
-    /// Threads per CTA: the consumer warpgroups and the producer's.
-    fn threads(&self) -> usize {
-        128 * (self.warpgroups + self.producer as usize)
+        64 * self.warpgroups * dqk * 2 + self.stages * (self.keys * dqk * 2 + dv * self.keys * 2) + 1024
     }
 }
 
@@ -684,7 +664,7 @@ pub fn mla_attn_sm90(
         .arg(h as i32)
         .arg(scale);
     let rows = 64 * var.warpgroups;
-    gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), (var.threads() as u32, 1, 1), smem, &mut a, var.name)
+    gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), ((128 * var.warpgroups) as u32, 1, 1), smem, &mut a, var.name)
 }
 
 /// Packed bf16 operands of one causal MLA attention call, laid out for the kernel that will run.
