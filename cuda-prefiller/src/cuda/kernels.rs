@@ -189,23 +189,12 @@ pub fn attnres_mix_variant(gpu: &Gpu, kernel: AttnResKernel, bank: &[P], p: P, n
             Some(prefetch)
         }
     };
-    if let Some(pf) = prefetch {
-        let name = format!("attnres_mix4{}_q{nq}", if pf { "" } else { "np" });
-        let f = gpu.func("attnres", &[], &name)?;
-        let mut a = KArgs::new()
-            .arg(BankPtrs(ptrs))
-            .arg(bank.len() as i32)
-            .arg(p)
-            .arg(norm_w)
-            .arg(proj_w)
-            .arg(out)
-            .arg(t as i32)
-            .arg(h as i32)
-            .arg(eps)
-            .arg(bf16_out as i32);
-        return gpu.launch(f, (blocks(t, 1)?, 1, 1), (bx as u32, 1, 1), 0, &mut a, &name);
-    }
-    let f = gpu.func("attnres", &[], "attnres_mix")?;
+    // the float4 kernels (`bx` threads) or the scalar one (256); the same arguments
+    let (name, threads) = match prefetch {
+        Some(pf) => (format!("attnres_mix4{}_q{nq}", if pf { "" } else { "np" }), bx as u32),
+        None => ("attnres_mix".to_string(), 256),
+    };
+    let f = gpu.func("attnres", &[], &name)?;
     let mut a = KArgs::new()
         .arg(BankPtrs(ptrs))
         .arg(bank.len() as i32)
@@ -217,7 +206,7 @@ pub fn attnres_mix_variant(gpu: &Gpu, kernel: AttnResKernel, bank: &[P], p: P, n
         .arg(h as i32)
         .arg(eps)
         .arg(bf16_out as i32);
-    gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "attnres_mix")
+    gpu.launch(f, (blocks(t, 1)?, 1, 1), (threads, 1, 1), 0, &mut a, &name)
 }
 
 #[allow(clippy::too_many_arguments)]
