@@ -2,6 +2,8 @@
 
 pub mod bench;
 pub mod bench_elementwise;
+pub mod bench_kernels;
+pub mod bench_project;
 pub mod forward;
 pub mod inspect;
 pub mod serve;
