@@ -68,10 +68,10 @@ impl Gpu {
     /// Opens GPU 0. Fails with a clear message when no usable GPU/driver/NVRTC/cuBLAS exists.
     pub fn open() -> Result<Arc<Gpu>> {
         super::probe().map_err(|e| anyhow!("CUDA backend unavailable: {e}"))?;
-        // Threads waiting for the GPU sleep instead of spinning: the weight streamer's reader
-        // threads need every core while the compute thread waits (a spinning wait took a core
-        // from them and slowed the staging by ~10 % during compute). Best effort: if the primary
-        // context is already active with other flags, the driver keeps those.
+        // Threads waiting for the GPU sleep instead of spinning, so that the weight streamer's
+        // reader threads keep every core while the compute thread waits for a readback. (It did
+        // not by itself fix the slower staging under the dense expert path: docs/cuda.md.) Best
+        // effort: if the primary context is already active with other flags, the driver keeps those.
         // SAFETY: plain driver calls on device 0 before its primary context is retained here.
         unsafe {
             let mut dev = 0;
