@@ -62,14 +62,12 @@ pub fn kda_forward<B: Backend>(
     misread: &Misread,
 ) -> anyhow::Result<B::Buf> {
     let dk = d.kda;
-    // 1–2. projections, short causal conv + SiLU (windows hold pre-conv inputs).
-    let q = b.short_conv_silu(&b.gemm(x, &w.q_proj)?, &w.q_conv, &mut cache.conv_q)?;
-    let k = b.short_conv_silu(&b.gemm(x, &w.k_proj)?, &w.k_conv, &mut cache.conv_k)?;
+    // 1–2. projections, short causal conv + SiLU (windows hold pre-conv inputs); 4. for q and k
+    // the L2 norm per head in the same op (q scaled by D^-1/2).
+    let q_scale = 1.0 / (dk.head_dim as f32).sqrt();
+    let q = b.short_conv_silu_l2(&b.gemm(x, &w.q_proj)?, &w.q_conv, &mut cache.conv_q, dk.head_dim, KDA_L2_EPS, q_scale)?;
+    let k = b.short_conv_silu_l2(&b.gemm(x, &w.k_proj)?, &w.k_conv, &mut cache.conv_k, dk.head_dim, KDA_L2_EPS, 1.0)?;
     let v = b.short_conv_silu(&b.gemm(x, &w.v_proj)?, &w.v_conv, &mut cache.conv_v)?;
-    // 4. L2 norm per head; q scaled by D^-1/2.
-    let (mut q, mut k) = (q, k);
-    b.l2_norm_heads(&mut q, dk.head_dim, KDA_L2_EPS, 1.0 / (dk.head_dim as f32).sqrt())?;
-    b.l2_norm_heads(&mut k, dk.head_dim, KDA_L2_EPS, 1.0)?;
     // 5. decay gate from the low-rank f_a/f_b projection.
     let z = b.gemm(&b.gemm(x, &w.f_a)?, &w.f_b)?;
     let g = if misread.a_log_per_channel {
