@@ -236,6 +236,37 @@ pub fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The slot (0/1 within its ring: dense slots, expert slots) of every unit, and the unit whose
+/// compute must end before the unit's slot may be overwritten: the previous expert unit on the
+/// same expert slot, or, for a dense slot, the last unit of the layer that held it (its expert
+/// units still read the dense weights in moe_back).
+fn slot_schedule(units: &[Unit]) -> (Vec<usize>, Vec<Option<usize>>) {
+    let is_dense = |u: &Unit| matches!(u, Unit::Dense { .. });
+    let layer_of = |u: &Unit| match *u {
+        Unit::Dense { l, .. } | Unit::Experts { l, .. } => l,
+    };
+    let mut count = [0usize; 2];
+    let slot_of: Vec<usize> = units
+        .iter()
+        .map(|u| {
+            let ring = is_dense(u) as usize;
+            count[ring] += 1;
+            (count[ring] - 1) % 2
+        })
+        .collect();
+    let free_after = (0..units.len())
+        .map(|i| {
+            let prev = (0..i).rev().find(|&j| is_dense(&units[j]) == is_dense(&units[i]) && slot_of[j] == slot_of[i])?;
+            if is_dense(&units[i]) {
+                (prev..i).rev().find(|&j| layer_of(&units[j]) == layer_of(&units[prev]))
+            } else {
+                Some(prev)
+            }
+        })
+        .collect();
+    (slot_of, free_after)
+}
+
 /// What the upload thread reports: host seconds waiting for compute to issue a slot's previous
 /// user, the copy stream's wait events, and when the last upload was issued (seconds into the run).
 type UploaderTimes = (f64, Vec<(Event, Event)>, f64);
@@ -274,39 +305,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     profile::reset();
     let wall0 = Instant::now();
     let mut ev_t: Vec<(usize, Event, Event, Event)> = Vec::new(); // (unit, before wait, after wait, done)
-    // which slot each unit uses, and the previous unit on the same slot
-    let mut slot_of = Vec::new();
-    {
-        let (mut nd, mut ne) = (0usize, 0usize);
-        for u in &p.units {
-            match u {
-                Unit::Dense { .. } => {
-                    slot_of.push(nd % 2);
-                    nd += 1;
-                }
-                Unit::Experts { .. } => {
-                    slot_of.push(ne % 2);
-                    ne += 1;
-                }
-            }
-        }
-    }
-    // The unit whose compute must end before unit i's slot may be overwritten: the previous
-    // expert unit on the same expert slot, or, for a dense slot, the last unit of the layer that
-    // held it (its expert units still read the dense weights in moe_back).
-    let layer_of = |u: &Unit| match *u {
-        Unit::Dense { l, .. } | Unit::Experts { l, .. } => l,
-    };
-    let free_after: Vec<Option<usize>> = (0..p.units.len())
-        .map(|i| {
-            let same_ring = |j: &usize| matches!(p.units[*j], Unit::Dense { .. }) == matches!(p.units[i], Unit::Dense { .. }) && slot_of[*j] == slot_of[i];
-            let prev = (0..i).rev().find(same_ring)?;
-            match p.units[i] {
-                Unit::Experts { .. } => Some(prev),
-                Unit::Dense { .. } => (prev..i).rev().find(|&j| layer_of(&p.units[j]) == layer_of(&p.units[prev])),
-            }
-        })
-        .collect();
+    let (slot_of, free_after) = slot_schedule(&p.units);
     // the dense slot of each layer (expert units need the layer's dense weights for moe_back)
     let upload = |st: &mut WeightStreamer, i: usize, free: Option<&Event>| -> Result<(Event, crate::streamer::UploadStats)> {
         match p.units[i] {
@@ -530,4 +529,25 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
         eprintln!("{mode:?} run at {t} tokens: {wall:.3} s (staging fill {fill:.3} s, waits for staging {stall:.3} s)");
     }
     Ok((wall, per, bytes, fill))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{slot_schedule, Unit};
+
+    #[test]
+    fn a_slot_waits_for_its_own_previous_user_only() {
+        // 3 layers, experts in two chunks: D0 E0a E0b D1 E1a E1b D2 E2a E2b
+        let units: Vec<Unit> = (0..3)
+            .flat_map(|l| [Unit::Dense { l, whole: false }, Unit::Experts { l, lo: 0, hi: 610 }, Unit::Experts { l, lo: 610, hi: 896 }])
+            .collect();
+        let (slot, free) = slot_schedule(&units);
+        assert_eq!(slot, vec![0, 0, 1, 1, 0, 1, 0, 0, 1]);
+        // D2 reuses D0's slot once layer 0 is done (its last unit E0b, index 2); E1a waits for
+        // E0a (1), E1b for E0b (2), E2a for E1a (4), E2b for E1b (5); the first users wait for none
+        assert_eq!(free, vec![None, None, None, None, Some(1), Some(2), Some(2), Some(4), Some(5)]);
+        // whole layers: each dense slot is freed by the layer two back
+        let whole: Vec<Unit> = (0..4).map(|l| Unit::Dense { l, whole: true }).collect();
+        assert_eq!(slot_schedule(&whole), (vec![0, 1, 0, 1], vec![None, None, Some(0), Some(1)]));
+    }
 }
