@@ -407,24 +407,13 @@ pub fn kda_recurrent(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, s: P, out: P, t
 #[allow(clippy::too_many_arguments)]
 pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, h: usize, d: usize, eps: f32, bf16_out: bool) -> Result<()> {
     let nv = d.div_ceil(128);
-    if vec4_ok(&[o, r, w, out], &[d, rs]) && (1..=4).contains(&nv) {
-        let name = format!("kda_gated_norm4_v{nv}");
-        let f = gpu.func("kda", &[], &name)?;
-        let mut a = KArgs::new()
-            .arg(o)
-            .arg(r)
-            .arg(rs as i64)
-            .arg(w)
-            .arg(out)
-            .arg(t as i32)
-            .arg(h as i32)
-            .arg(d as i32)
-            .arg(eps)
-            .arg(bf16_out as i32);
-        // one warp per two (t, h) units
-        return gpu.launch(f, grid1(gpu, (t * h).div_ceil(2) * 32), (256, 1, 1), 0, &mut a, &name);
-    }
-    let f = gpu.func("kda", &[], "kda_gated_norm")?;
+    // the float4 kernel (one warp per two (t, h) units) or the scalar one (a warp per unit); the same arguments
+    let (name, warps) = if vec4_ok(&[o, r, w, out], &[d, rs]) && (1..=4).contains(&nv) {
+        (format!("kda_gated_norm4_v{nv}"), (t * h).div_ceil(2))
+    } else {
+        ("kda_gated_norm".to_string(), t * h)
+    };
+    let f = gpu.func("kda", &[], &name)?;
     let mut a = KArgs::new()
         .arg(o)
         .arg(r)
@@ -436,7 +425,7 @@ pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, 
         .arg(d as i32)
         .arg(eps)
         .arg(bf16_out as i32);
-    gpu.launch(f, grid1(gpu, t * h * 32), (256, 1, 1), 0, &mut a, "kda_gated_norm")
+    gpu.launch(f, grid1(gpu, warps * 32), (256, 1, 1), 0, &mut a, &name)
 }
 
 // ---- MLA ---------------------------------------------------------------------------------
