@@ -306,8 +306,8 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
     let wall0 = Instant::now();
     let mut ev_t: Vec<(usize, Event, Event, Event)> = Vec::new(); // (unit, before wait, after wait, done)
     let (slot_of, free_after) = slot_schedule(&p.units);
-    // the dense slot of each layer (expert units need the layer's dense weights for moe_back)
-    let upload = |st: &mut WeightStreamer, i: usize, free: Option<&Event>| -> Result<(Event, crate::streamer::UploadStats)> {
+    // unit i's weights into its slot (the caller orders the copy stream after the slot's previous user)
+    let upload = |st: &mut WeightStreamer, i: usize| -> Result<(Event, crate::streamer::UploadStats)> {
         match p.units[i] {
             Unit::Dense { l, whole } => {
                 let lay = &p.lay[li(p.attn[l])];
@@ -316,17 +316,18 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 if whole {
                     parts.extend(lay.expert_parts(2, 0, p.d.experts, lay.dense_bytes));
                 }
-                st.upload(&p.regions, &parts, dst, free)
+                st.upload(&p.regions, &parts, dst, None)
             }
             Unit::Experts { l, lo, hi } => {
                 let lay = &p.lay[li(p.attn[l])];
-                st.upload(&p.regions, &lay.expert_parts(2, lo, hi, 0), p.expert_slots[slot_of[i]].ptr, free)
+                st.upload(&p.regions, &lay.expert_parts(2, lo, hi, 0), p.expert_slots[slot_of[i]].ptr, None)
             }
         }
     };
     // per-layer carry between units: MoE plans when experts come in chunks
     let mut plans: Vec<(crate::cuda::backend::MoePlan, crate::cuda::backend::CudaBuf)> = Vec::new();
     let mut new_p: Vec<crate::cuda::backend::CudaBuf> = Vec::new();
+    // the dense slot of each layer (expert units need the layer's dense weights for moe_back)
     let mut dense_slot_of_layer = vec![0usize; args.layers];
     let n_units = p.units.len();
     let st = std::sync::Mutex::new(st);
@@ -364,7 +365,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                         b.record(g.copy_stream())?;
                         gpu_waits.push((a, b));
                     }
-                    let r = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned")).and_then(|mut s| upload(&mut s, n, None)).map(|(e, s)| (n, e, s));
+                    let r = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned")).and_then(|mut s| upload(&mut s, n)).map(|(e, s)| (n, e, s));
                     let failed = r.is_err();
                     if ready_tx.send(r).is_err() || failed {
                         break;
@@ -382,7 +383,7 @@ fn run_mode(p: &Proj<'_>, st: &mut WeightStreamer, t: usize, args: &Args, mode: 
                 // compute alone: load the unit's weights first, untimed (only GPU compute intervals count)
                 g.sync()?;
                 let mut guard = st.lock().map_err(|_| anyhow::anyhow!("streamer lock poisoned"))?;
-                let (e, _) = upload(&mut guard, i, None)?;
+                let (e, _) = upload(&mut guard, i)?;
                 drop(guard);
                 e.sync()?;
                 None
