@@ -102,6 +102,17 @@ RUST_LOG="${RUST_LOG:-info}" "$DECODE" generate "${COMMON[@]}" --prefill-node "$
     --timing-json "$DEMO/timing-split.json" --out "$DEMO/split.json" 2>"$DEMO/decoder-split.log" >/dev/null \
     || { cat "$DEMO/decoder-split.log" >&2; die "k3-decode generate --prefill-node failed"; }
 sed -n '/^turn *route/,$p' "$DEMO/decoder-split.log" >&2
+cat >&2 <<'LEGEND'
+columns: route = where the prompt was prefilled (remote: the node; local: here, below
+  --remote-min-tokens; fallback: here after the node failed, reason below the table);
+  prompt = new prompt tokens of the turn; prefill = tokens prefilled (a remote turn adds the
+  earlier generated tokens the node has not seen); context = tokens the session holds after it;
+  remote / transfer / tail / ingest / local / 1st tok = seconds (remote: layer compute on the
+  node; transfer: request sent -> every layer received and verified; tail: the node's last
+  layer done -> state usable here; ingest: staging the layers into MLX; local: local prefill;
+  1st tok: prefill start -> first token); decode = tokens generated, tok/s their rate;
+  state MB = hand-off state received. "-" = that phase did not happen.
+LEGEND
 grep -q '"route": "remote"' "$DEMO/timing-split.json" || { cat "$DEMO/decoder-split.log" >&2; die "no turn was prefilled remotely"; }
 
 # --- 6. the same conversation, local prefill only ---------------------------------------------

@@ -1,11 +1,15 @@
 //! What both binaries do around their subcommand: logs through `tracing` to stderr (filter from
-//! `RUST_LOG`, `info` by default), and a failed command ends the process with one line that
-//! carries the whole cause chain and exit status 1.
+//! `RUST_LOG`, `info` by default; colours only when stderr is a terminal, so a log redirected to
+//! a file is plain text), and a failed command ends the process with one line that carries the
+//! whole cause chain and exit status 1.
+
+use std::io::IsTerminal;
 
 /// Installs the stderr `tracing` subscriber (once per process).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::stderr().is_terminal();
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
 /// Ends the process with `BIN: error: cause: cause…` and status 1 when `res` is an error.
