@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# The benchmark runs of docs/cuda.md, on the GPU machine (repository root, .devbin carried).
-# Usage: scripts/gpu-bench.sh [tests] [forward] [kernels] [project] [project-wide] [budget] [peer]
-#        (default: tests kernels project budget peer). K3_PROFILE=1 adds a per-step GPU time table
-#        to the project runs (stderr, kept in the logs).
+# The benchmark runs of docs/cuda.md, on the GPU machine (repository root, .devbin carried; see
+# scripts/gpu-pack.sh). Every timing comes from `k3-prefill bench --model DIR` (the executor and
+# weight streamer that forward and serve run) except the kernels-alone and peer steps.
+# Usage: scripts/gpu-bench.sh [tests] [synth] [pinned] [pagecache] [budget] [disk] [kernels] [peer]
+#        (default: tests synth pinned pagecache budget disk).
+# K3 widths: `synth` writes a 3-layer K3-width checkpoint (dense layer 0, a KDA and an MLA MoE
+# layer, 38.6 GiB) into tmpfs ($K3_DIR, default /dev/shm/k3), i.e. held in host RAM and read by the
+# same checkpoint reader; `disk` writes a 1-layer K3-width checkpoint to local disk ($K3_DISK_DIR)
+# for the O_DIRECT run. K3_PROFILE=1 adds the per-step GPU time table.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export K3_GOLDEN_DIR="$PWD/tests/golden/tiny-a" K3_KERNEL_CACHE=/tmp/k3-kernels RUST_LOG=${RUST_LOG:-warn}
 D=${DEVBIN:-.devbin}
 B=$D/k3-prefill
-steps=${*:-tests kernels project budget peer}
+K3=${K3_DIR:-/dev/shm/k3}
+DISK=${K3_DISK_DIR:-$PWD/.k3-disk}
+TOK=${TOKENS:-32768,131072}
+steps=${*:-tests synth pinned pagecache budget disk}
 for s in $steps; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests)   scripts/gpu-run.sh tests | tail -8 ;;
-    forward) timeout 120 $D/cuda_forward --test-threads=1 --nocapture 2>&1 | tee "$OUT/forward.log" | grep -E "BF16 part|Bf16:|F32:|test result" | grep -v exempt | cut -c1-400 ;;
+    tests)   DEVBIN=$D scripts/gpu-run.sh tests | tail -12 ;;
+    synth)   [ -f "$K3/config.json" ] || { /usr/bin/time -f "synth: %e s" $B synth --preset k3 --layers 3 --seed 1 --no-progress --out "$K3" 2>&1 | tail -3; }
+             du -sh "$K3"; free -g | head -2 ;;
+    pinned)  timeout 300 $B bench --model "$K3" --backend cuda --pin-host --tokens $TOK 2>&1 | tee "$OUT/pinned.log" | tail -${TAIL:-30} ;;
+    pagecache) timeout 300 $B bench --model "$K3" --backend cuda --tokens $TOK 2>&1 | tee "$OUT/pagecache.log" | tail -${TAIL:-30} ;;
+    budget)  timeout 300 $B bench --model "$K3" --backend cuda --vram-budget 24 --tokens ${BUDGET_TOKENS:-8192,32768} 2>&1 | tee "$OUT/budget.log" | tail -${TAIL:-30} ;;
+    disk)    mkdir -p "$DISK"; [ -f "$DISK/config.json" ] || { /usr/bin/time -f "synth (disk): %e s" $B synth --preset k3 --layers 1 --seed 1 --no-progress --out "$DISK" 2>&1 | tail -2; sync; }
+             df -hT "$DISK" | tail -1
+             timeout 300 $B bench --model "$DISK" --backend cuda --direct-io --source-probe-gb ${DISK_PROBE_GB:-2} --tokens ${DISK_TOKENS:-4096} 2>&1 | tee "$OUT/disk.log" | tail -${TAIL:-8} ;;
     kernels) timeout 180 $B bench --kernels --tokens ${KERNEL_TOKENS:-8192,32768,131072} 2>&1 | tee "$OUT/kernels.log" ;;
-    project) timeout 300 $B bench --project --pinned-source --layers 4 --tokens 32768,131072 2>&1 | tee "$OUT/project.log" | tail -40 ;;
-    project-wide) timeout 300 $B bench --project --pinned-source --layers 4 --chunk-tokens ${WIDE_CHUNK:-65536} --tokens 32768,131072 2>&1 | tee "$OUT/project-wide.log" | tail -40 ;;
-    project-staged) timeout 300 $B bench --project --layers 4 --tokens 8192,32768,131072 2>&1 | tee "$OUT/project-staged.log" | tail -32 ;;
-    budget)  timeout 240 $B bench --project --layers ${BUDGET_LAYERS:-8} --vram-budget 24 --tokens 8192,32768 2>&1 | tee "$OUT/budget.log" | tail -34 ;;
     peer)    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $D/fla_core-*.whl && \
              PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout 300 python3 scripts/peer_bench.py --bin $B --tokens ${PEER_TOKENS:-8192,32768,131072} 2>&1 | tee "$OUT/peer.log" ;;
   esac

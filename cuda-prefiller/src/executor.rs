@@ -21,7 +21,7 @@ use crate::backend::{Backend, DeviceBuf, MlaForm, Routing};
 use crate::model::ffn::{latent_moe_back, latent_moe_forward, latent_moe_front, mlp_forward};
 use crate::model::kda::{kda_forward, KdaCache, KdaForm};
 use crate::model::mla::{mla_forward, MlaCache};
-use crate::model::weights::{AttnWeights, FfnWeights, LayerWeights};
+use crate::model::weights::{AttnWeights, FfnWeights, HeadWeights, LayerWeights};
 use crate::model::{Misread, Model, ModelDims};
 
 /// Embedding rows that replace the token embeddings at some positions (image features at the
@@ -217,6 +217,11 @@ pub trait WeightFeed<B: Backend> {
     /// once they have run).
     fn layer_done(&mut self, _model: &Model<B>, _l: usize) -> anyhow::Result<()> {
         Ok(())
+    }
+
+    /// The output head (final norms, `lm_head`); the model's own by default.
+    fn head(&mut self, model: &Model<B>) -> anyhow::Result<Arc<HeadWeights<B>>> {
+        model.head()
     }
 }
 
@@ -493,7 +498,7 @@ pub fn prefill_with<B: Backend>(
     }
 
     // Output head: output AttnRes mix, final norm, lm_head.
-    let head = model.head()?;
+    let head = feed.head(model)?;
     let mut logits = Vec::new();
     let mut logits_rows = 0;
     for (ci, ch) in chunks.iter().enumerate() {

@@ -35,13 +35,180 @@ pub struct Part {
 }
 
 /// Where weight bytes come from.
-pub trait WeightSource: Sync {
-    /// Copies `out.len()` bytes of region `src` at `offset` into `out`.
+pub trait WeightSource: Send + Sync {
+    /// Copies `out.len()` bytes of region `src` at `offset` into `out`. With [`WeightSource::align`]
+    /// above 1, `offset`, `out.len()` and the address of `out` are multiples of it and the read
+    /// may stop at the end of the region (the bytes past it are left as they were).
     fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()>;
     /// The address of `len` bytes of region `src` at `offset` when they sit in page-locked
     /// memory the GPU can read directly (then no staging copy is needed).
     fn pinned(&self, _src: usize, _offset: u64, _len: usize) -> Option<*const u8> {
         None
+    }
+    /// Alignment every read needs (offset, length and destination address), 1 for none.
+    fn align(&self) -> usize {
+        1
+    }
+}
+
+/// Where the streamer reads a checkpoint's shards from (`--pin-host`, `--direct-io`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum WeightsFrom {
+    /// `pread` (the page cache, or the drive on a miss) into the pinned staging buffers.
+    #[default]
+    PageCache,
+    /// Every shard copied once into page-locked host memory when the streamer starts; the GPU
+    /// copies straight from it (a machine whose RAM holds the model).
+    PinHost,
+    /// `O_DIRECT` reads from the drive straight into the pinned staging (no page cache).
+    Direct,
+}
+
+impl WeightsFrom {
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightsFrom::PageCache => "page cache",
+            WeightsFrom::PinHost => "pinned host memory",
+            WeightsFrom::Direct => "O_DIRECT",
+        }
+    }
+}
+
+/// The shard files of a checkpoint, in order (shard index = position).
+pub fn shard_paths(ck: &Checkpoint) -> Result<Vec<(String, std::path::PathBuf)>> {
+    let nshards = ck.tensor_names().filter_map(|n| ck.entry(n)).map(|e| e.shard + 1).max().unwrap_or(0);
+    ensure!(nshards > 0, "checkpoint {} has no shards", ck.dir().display());
+    Ok((0..nshards).map(|i| (ck.shard_name(i).to_string(), ck.dir().join(ck.shard_name(i)))).collect())
+}
+
+/// `O_DIRECT` of Linux (not in std; its value differs by architecture).
+#[cfg(all(target_os = "linux", any(target_arch = "aarch64", target_arch = "arm")))]
+const O_DIRECT: i32 = 0o200000;
+#[cfg(all(target_os = "linux", not(any(target_arch = "aarch64", target_arch = "arm"))))]
+const O_DIRECT: i32 = 0o40000;
+
+/// Alignment of `O_DIRECT` reads (covers 512-byte and 4 KiB logical blocks).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// The shard files opened with `O_DIRECT`: reads bypass the page cache and land straight in the
+/// (page-aligned) pinned staging; offsets and lengths are rounded to [`DIRECT_ALIGN`].
+pub struct DirectShards {
+    files: Vec<(String, File)>,
+}
+
+impl DirectShards {
+    #[cfg(target_os = "linux")]
+    pub fn open(ck: &Checkpoint) -> Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut files = Vec::new();
+        for (name, path) in shard_paths(ck)? {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(O_DIRECT)
+                .open(&path)
+                .with_context(|| format!("opening shard {} with O_DIRECT (does its file system support direct I/O? tmpfs does not)", path.display()))?;
+            files.push((name, f));
+        }
+        Ok(DirectShards { files })
+    }
+    #[cfg(not(target_os = "linux"))]
+    pub fn open(_ck: &Checkpoint) -> Result<Self> {
+        bail!("O_DIRECT reads are implemented for Linux only")
+    }
+}
+
+impl WeightSource for DirectShards {
+    fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()> {
+        let (name, f) = self.files.get(src).ok_or_else(|| anyhow!("no shard {src}"))?;
+        let a = DIRECT_ALIGN;
+        ensure!(
+            offset as usize % a == 0 && out.len() % a == 0 && out.as_ptr() as usize % a == 0,
+            "shard {name}: O_DIRECT read of {} bytes at {offset} is not {a}-byte aligned",
+            out.len()
+        );
+        let mut done = 0;
+        while done < out.len() {
+            match f.read_at(&mut out[done..], offset + done as u64) {
+                Ok(0) => break, // end of the file: the rest is alignment padding
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).with_context(|| format!("O_DIRECT read of {} bytes at offset {} of shard {name}", out.len() - done, offset + done as u64)),
+            }
+        }
+        Ok(())
+    }
+    fn align(&self) -> usize {
+        DIRECT_ALIGN
+    }
+}
+
+/// Every shard of a checkpoint copied once into page-locked host memory (`--pin-host`): the GPU
+/// copies straight from it, no staging.
+pub struct PinnedShards {
+    shards: Vec<(String, PinnedBuf)>,
+}
+
+impl PinnedShards {
+    /// Reads every shard (`readers` threads, `pread` through the page cache) into pinned memory.
+    pub fn load(gpu: &Arc<Gpu>, ck: &Checkpoint, readers: usize) -> Result<Self> {
+        let paths = shard_paths(ck)?;
+        let mut sizes = Vec::new();
+        for (_, p) in &paths {
+            sizes.push(std::fs::metadata(p).with_context(|| format!("shard {}", p.display()))?.len() as usize);
+        }
+        let total: usize = sizes.iter().sum();
+        let bar = indicatif::ProgressBar::new(total as u64).with_message("pinning the checkpoint in host memory");
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} ({bytes_per_sec})").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+        let t0 = Instant::now();
+        let mut shards = Vec::new();
+        for ((name, path), &len) in paths.iter().zip(&sizes) {
+            let buf = gpu.pinned(len).with_context(|| format!("pinning shard {name} ({len} bytes)"))?;
+            let files = ShardFiles::single(path)?;
+            let piece = 64 << 20;
+            let base = buf.as_mut_ptr() as usize;
+            let jobs: Vec<(usize, usize)> = (0..len).step_by(piece).map(|o| (o, piece.min(len - o))).collect();
+            let n = readers.clamp(1, jobs.len().max(1));
+            let errs: Vec<anyhow::Error> = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..n)
+                    .map(|t| {
+                        let (jobs, files, bar) = (&jobs, &files, &bar);
+                        sc.spawn(move || -> Result<()> {
+                            for &(o, l) in jobs.iter().skip(t).step_by(n) {
+                                // SAFETY: each job writes a disjoint range of the pinned buffer.
+                                let out = unsafe { std::slice::from_raw_parts_mut((base + o) as *mut u8, l) };
+                                files.read(0, o as u64, out)?;
+                                bar.inc(l as u64);
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().filter_map(|h| h.join().map_err(|_| anyhow!("reader thread panicked")).and_then(|r| r).err()).collect()
+            });
+            if let Some(e) = errs.into_iter().next() {
+                return Err(e.context(format!("pinning shard {name}")));
+            }
+            shards.push((name.clone(), buf));
+        }
+        bar.finish_and_clear();
+        let s = t0.elapsed().as_secs_f64();
+        tracing::info!(gb = total as f64 / 1e9, seconds = s, "checkpoint pinned in host memory");
+        eprintln!("--pin-host: {:.1} GB of shards read into page-locked host memory in {s:.1} s", total as f64 / 1e9);
+        Ok(PinnedShards { shards })
+    }
+}
+
+impl WeightSource for PinnedShards {
+    fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()> {
+        let (name, b) = self.shards.get(src).ok_or_else(|| anyhow!("no shard {src}"))?;
+        let o = offset as usize;
+        ensure!(o + out.len() <= b.len(), "shard {name}: {}+{} past its {} bytes", o, out.len(), b.len());
+        out.copy_from_slice(&b.as_slice()[o..o + out.len()]);
+        Ok(())
+    }
+    fn pinned(&self, src: usize, offset: u64, len: usize) -> Option<*const u8> {
+        let (_, b) = self.shards.get(src)?;
+        (offset as usize + len <= b.len()).then(|| b.as_slice()[offset as usize..].as_ptr())
     }
 }
 
@@ -53,18 +220,14 @@ pub struct ShardFiles {
 impl ShardFiles {
     pub fn open(ck: &Checkpoint) -> Result<Self> {
         let mut files = Vec::new();
-        let nshards = ck.tensor_names().filter_map(|n| ck.entry(n)).map(|e| e.shard + 1).max().unwrap_or(0);
-        for i in 0..nshards {
-            let name = ck.shard_name(i).to_string();
-            let path = ck.dir().join(&name);
+        for (name, path) in shard_paths(ck)? {
             let f = File::open(&path).with_context(|| format!("opening shard {}", path.display()))?;
             files.push((name, f));
         }
-        ensure!(!files.is_empty(), "checkpoint {} has no shards", ck.dir().display());
         Ok(ShardFiles { files })
     }
 
-    /// One file (tests, synthetic layer images on disk).
+    /// One file.
     pub fn single(path: &Path) -> Result<Self> {
         let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
         Ok(ShardFiles { files: vec![(path.display().to_string(), f)] })
@@ -78,47 +241,48 @@ impl WeightSource for ShardFiles {
     }
 }
 
-/// Host memory regions (synthetic models; a model already in RAM). With [`HostRegions::pin`]
-/// they are page-locked and the GPU copies straight from them.
-pub struct HostRegions(pub Vec<Arc<Vec<u8>>>, Option<Arc<Gpu>>);
-
-impl HostRegions {
-    pub fn new(regions: Vec<Arc<Vec<u8>>>) -> Self {
-        HostRegions(regions, None)
-    }
-    /// Page-locks every region (cuMemHostRegister); the streamer then skips the staging copy.
-    /// The regions are unregistered when this is dropped.
-    pub fn pin(&mut self, gpu: &Arc<Gpu>) -> Result<()> {
-        for r in &self.0 {
-            gpu.register_host(r.as_ptr(), r.len())?;
-        }
-        self.1 = Some(gpu.clone());
-        Ok(())
-    }
-}
-
-impl Drop for HostRegions {
-    fn drop(&mut self) {
-        if let Some(g) = &self.1 {
-            for r in &self.0 {
-                g.unregister_host(r.as_ptr());
+/// The read rate of `source` over `ck`'s shards into page-locked memory, GB/s: `readers`
+/// threads, each reading the streamer's 8 MiB sub-reads at successive offsets (the same queue
+/// depth as the streamer), up to `max_bytes` in all (whole pieces only).
+pub fn read_rate(gpu: &Arc<Gpu>, source: &dyn WeightSource, ck: &Checkpoint, readers: usize, max_bytes: usize) -> Result<f64> {
+    let piece = 8usize << 20;
+    let mut jobs: Vec<(usize, u64)> = Vec::new();
+    'shards: for (i, (_, p)) in shard_paths(ck)?.iter().enumerate() {
+        let len = std::fs::metadata(p).with_context(|| format!("shard {}", p.display()))?.len() as usize;
+        let mut o = 0;
+        while o + piece <= len {
+            if (jobs.len() + 1) * piece > max_bytes {
+                break 'shards;
             }
+            jobs.push((i, o as u64));
+            o += piece;
         }
     }
-}
-
-impl WeightSource for HostRegions {
-    fn read(&self, src: usize, offset: u64, out: &mut [u8]) -> Result<()> {
-        let r = self.0.get(src).ok_or_else(|| anyhow!("no host region {src}"))?;
-        let o = offset as usize;
-        ensure!(o + out.len() <= r.len(), "host region {src}: {}+{} past its {} bytes", o, out.len(), r.len());
-        out.copy_from_slice(&r[o..o + out.len()]);
-        Ok(())
+    ensure!(!jobs.is_empty(), "read rate: no whole 8 MiB piece in the shards of {}", ck.dir().display());
+    let n = readers.clamp(1, jobs.len());
+    let buf = gpu.pinned(n * piece)?;
+    let base = buf.as_mut_ptr() as usize;
+    let t0 = Instant::now();
+    let errs: Vec<anyhow::Error> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..n)
+            .map(|t| {
+                let jobs = &jobs;
+                sc.spawn(move || -> Result<()> {
+                    // SAFETY: thread t owns piece t of the buffer.
+                    let out = unsafe { std::slice::from_raw_parts_mut((base + t * piece) as *mut u8, piece) };
+                    for &(s, o) in jobs.iter().skip(t).step_by(n) {
+                        source.read(s, o, out)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().map_err(|_| anyhow!("reader thread panicked")).and_then(|r| r).err()).collect()
+    });
+    if let Some(e) = errs.into_iter().next() {
+        return Err(e.context("measuring the source's read rate"));
     }
-    fn pinned(&self, src: usize, offset: u64, len: usize) -> Option<*const u8> {
-        let r = self.0.get(src)?;
-        (self.1.is_some() && offset as usize + len <= r.len()).then(|| r[offset as usize..].as_ptr())
-    }
+    Ok((jobs.len() * piece) as f64 / 1e9 / t0.elapsed().as_secs_f64())
 }
 
 /// Timing of one [`WeightStreamer::upload`].
@@ -172,7 +336,7 @@ impl WeightStreamer {
         if parts.iter().all(|p| src.pinned(p.src, p.offset, p.len).is_some()) {
             for p in parts {
                 let ptr = src.pinned(p.src, p.offset, p.len).expect("checked above");
-                // SAFETY: `pinned` vouches for a page-locked range; HostRegions keeps it alive and
+                // SAFETY: `pinned` vouches for a page-locked range; the source keeps it alive and
                 // unchanged for the streamer's lifetime.
                 unsafe { self.gpu.htod_async_raw(dst + p.dst as u64, ptr, p.len, copy)? };
                 stats.bytes += p.len;
@@ -181,23 +345,32 @@ impl WeightStreamer {
             done.record(copy)?;
             return Ok((done, stats));
         }
-        // Greedy packing of parts (split where larger than a staging buffer) into stages.
-        let mut pieces: Vec<(usize, u64, usize, usize, usize)> = Vec::new(); // (src, off, len, dst, part idx)
+        // Greedy packing of parts (split where larger than a staging buffer) into stages. With
+        // an aligned source (O_DIRECT) each piece is read as its aligned cover straight into the
+        // staging, at a staging offset of the same alignment; the DMA takes the piece's bytes.
+        let al = src.align().max(1);
+        ensure!(cap > 2 * al, "staging buffer of {cap} bytes is too small for {al}-byte aligned reads");
+        let max_piece = if al > 1 { cap - 2 * al } else { cap };
+        // (src, off, len, dst, part idx, aligned read offset, aligned read length)
+        let mut pieces: Vec<(usize, u64, usize, usize, usize, u64, usize)> = Vec::new();
         for (pi, p) in parts.iter().enumerate() {
             let mut done = 0;
             while done < p.len {
-                let n = (p.len - done).min(cap);
-                pieces.push((p.src, p.offset + done as u64, n, p.dst + done, pi));
+                let n = (p.len - done).min(max_piece);
+                let off = p.offset + done as u64;
+                let ro = off / al as u64 * al as u64;
+                let rl = ((off - ro) as usize + n).next_multiple_of(al);
+                pieces.push((p.src, off, n, p.dst + done, pi, ro, rl));
                 done += n;
             }
         }
         let mut i = 0;
         while i < pieces.len() {
-            // the pieces that fit in this stage
+            // the pieces that fit in this stage (by their aligned read length)
             let mut used = 0;
             let mut j = i;
-            while j < pieces.len() && used + pieces[j].2 <= cap {
-                used += pieces[j].2;
+            while j < pieces.len() && used + pieces[j].6 <= cap {
+                used += pieces[j].6;
                 j += 1;
             }
             let slot = self.next;
@@ -208,18 +381,18 @@ impl WeightStreamer {
             }
             stats.stall_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            // fill: split every piece into reader-sized sub-reads and spread them over the threads
+            // fill: split every piece's read into reader-sized sub-reads and spread them over the threads
             let base = self.staging[slot].as_mut_ptr() as usize;
             let mut jobs: Vec<(usize, u64, usize, usize, usize)> = Vec::new(); // (src, off, len, stage off, part)
             let mut soff = 0;
-            for &(s, off, len, _, pi) in &pieces[i..j] {
+            for &(s, _, _, _, pi, ro, rl) in &pieces[i..j] {
                 let mut k = 0;
-                while k < len {
-                    let n = (len - k).min(self.piece);
-                    jobs.push((s, off + k as u64, n, soff + k, pi));
+                while k < rl {
+                    let n = (rl - k).min(self.piece);
+                    jobs.push((s, ro + k as u64, n, soff + k, pi));
                     k += n;
                 }
-                soff += len;
+                soff += rl;
             }
             let nthreads = self.readers.min(jobs.len()).max(1);
             let errors: Vec<anyhow::Error> = std::thread::scope(|sc| {
@@ -244,14 +417,14 @@ impl WeightStreamer {
             stats.fill_s += t1.elapsed().as_secs_f64();
             // DMA each piece to its destination
             let mut soff = 0;
-            for &(_, _, len, d, _) in &pieces[i..j] {
-                self.staging[slot].copy_to_device(soff, len, dst + d as u64, copy)?;
-                soff += len;
+            for &(_, off, len, d, _, ro, rl) in &pieces[i..j] {
+                self.staging[slot].copy_to_device(soff + (off - ro) as usize, len, dst + d as u64, copy)?;
+                soff += rl;
+                stats.bytes += len;
             }
             let ev = self.gpu.event()?;
             ev.record(copy)?;
             self.drained[slot] = Some(ev);
-            stats.bytes += used;
             i = j;
         }
         let done = self.gpu.event()?;
@@ -274,13 +447,22 @@ pub struct StreamOptions {
     /// At most this many routed experts per transfer unit (streams experts in chunks even when
     /// whole layers fit the budget; finer pipelining, and tests on small models).
     pub expert_chunk: Option<usize>,
+    /// Where the shards are read from.
+    pub weights_from: WeightsFrom,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
-        StreamOptions { vram_budget: None, readers: threads.clamp(2, 16), stage_bytes: 256 << 20, expert_chunk: None }
+        StreamOptions { vram_budget: None, readers: default_readers(), stage_bytes: 256 << 20, expert_chunk: None, weights_from: WeightsFrom::PageCache }
     }
+}
+
+/// Reader threads when none are given: half the cores, 2 to 8 (the executor thread issuing the
+/// GPU work must not lose its core to the readers: with one reader per core the layers' GPU
+/// time grew with the host-side issue delays).
+pub fn default_readers() -> usize {
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    (threads / 2).clamp(2, 8)
 }
 
 impl StreamOptions {
@@ -336,7 +518,11 @@ pub struct StreamStats {
 pub struct StreamedWeights {
     gpu: Arc<Gpu>,
     plan: Arc<crate::stream_plan::StreamPlan>,
-    source: Arc<ShardFiles>,
+    source: Arc<dyn WeightSource>,
+    /// Where `source` reads from.
+    pub weights_from: WeightsFrom,
+    /// The output head, loaded once (not per prompt).
+    head: Arc<crate::model::HeadWeights<crate::cuda::CudaBackend>>,
     /// `[ring][slot]` device addresses (ring 0: dense / whole layers, ring 1: expert chunks).
     slot_ptr: [[CUdeviceptr; 2]; 2],
     _slots: Vec<crate::cuda::DevMem>,
@@ -379,9 +565,23 @@ impl StreamedWeights {
         let biggest = (0..plan.units.len()).map(|u| plan.unit_bytes(u)).max().unwrap_or(0);
         let stage = opts.stage_bytes.min(biggest.next_multiple_of(1 << 20)).max(1 << 20);
         let streamer = WeightStreamer::new(gpu.clone(), stage, opts.readers)?;
-        let source = Arc::new(ShardFiles::open(&model.ck)?);
-        tracing::info!(plan = %plan.describe(), stage_mib = stage >> 20, readers = opts.readers, "weight streamer ready");
-        Ok(StreamedWeights { gpu, plan: Arc::new(plan), source, slot_ptr, _slots: slots, streamer: std::sync::Mutex::new(Some(streamer)) })
+        let source: Arc<dyn WeightSource> = match opts.weights_from {
+            WeightsFrom::PageCache => Arc::new(ShardFiles::open(&model.ck)?),
+            WeightsFrom::PinHost => Arc::new(PinnedShards::load(&gpu, &model.ck, opts.readers)?),
+            WeightsFrom::Direct => Arc::new(DirectShards::open(&model.ck)?),
+        };
+        let head = model.head()?;
+        tracing::info!(plan = %plan.describe(), stage_mib = stage >> 20, readers = opts.readers, from = opts.weights_from.name(), "weight streamer ready");
+        Ok(StreamedWeights {
+            gpu,
+            plan: Arc::new(plan),
+            source,
+            weights_from: opts.weights_from,
+            head,
+            slot_ptr,
+            _slots: slots,
+            streamer: std::sync::Mutex::new(Some(streamer)),
+        })
     }
 
     pub fn plan(&self) -> &crate::stream_plan::StreamPlan {
@@ -422,7 +622,7 @@ fn prefetch(
     mut streamer: WeightStreamer,
     gpu: Arc<Gpu>,
     plan: Arc<crate::stream_plan::StreamPlan>,
-    source: Arc<ShardFiles>,
+    source: Arc<dyn WeightSource>,
     slot_ptr: [[CUdeviceptr; 2]; 2],
     ready_tx: std::sync::mpsc::Sender<Result<Ready>>,
     done_rx: std::sync::mpsc::Receiver<(usize, Event)>,
@@ -507,6 +707,7 @@ impl StreamFeed<'_> {
         ensure!(r.unit == u, "weight streamer: unit {} arrived, {u} expected", r.unit);
         let g = &self.sw.gpu;
         g.bind()?;
+        crate::cuda::profile::begin(g, "(waiting for weights)")?;
         let e0 = g.event()?;
         e0.record(g.stream())?;
         r.ready.wait_on(g.stream())?;
@@ -639,25 +840,29 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
     ) -> Result<Vec<crate::cuda::backend::CudaBuf>> {
         use crate::stream_plan::Unit;
         let b = &*model.backend;
-        let plan = self.sw.plan.clone();
-        let layout = plan.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
-        let n = plan.image_of(l)?.experts.len();
-        let mut plans = Vec::with_capacity(inputs.len());
-        for (x_lat, routing) in inputs {
-            plans.push(b.moe_plan_for(x_lat, routing, n, &layout)?);
-        }
+        let plan_s = self.sw.plan.clone();
+        let layout = plan_s.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
+        let n = plan_s.image_of(l)?.experts.len();
+        crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
+        let plan = b.moe_plan_merged(inputs, n, &layout)?;
         let mut covered = 0;
         while covered < n {
             let (u, unit) = self.take_unit(|x| matches!(x, Unit::Experts { layer, .. } if *layer == l), &format!("layer {l} experts from {covered}"))?;
             let Unit::Experts { lo, hi, .. } = unit else { unreachable!("checked by take_unit") };
             ensure!(lo == covered, "weight streamer: layer {l} experts {lo}..{hi} arrived, {covered}.. expected");
-            let wbase = self.sw.slot_ptr[1][plan.slot[u]];
-            let refs: Vec<&crate::cuda::backend::MoePlan> = plans.iter().collect();
-            b.moe_run_chunks(&refs, &layout, wbase, lo, hi, model.dims.situ, None)?;
+            let wbase = self.sw.slot_ptr[1][plan_s.slot[u]];
+            crate::cuda::profile::begin(&b.gpu, "routed experts")?;
+            b.moe_run_chunk(&plan, &layout, wbase, lo, hi, model.dims.situ, None)?;
             self.release(u)?;
             covered = hi;
         }
-        plans.iter().map(|p| b.moe_combine(p, layout.latent)).collect()
+        crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
+        let rows: Vec<usize> = inputs.iter().map(|(x, _)| crate::backend::DeviceBuf::rows(*x)).collect();
+        b.moe_split(b.moe_combine(&plan, layout.latent)?, &rows)
+    }
+
+    fn head(&mut self, _model: &crate::model::Model<crate::cuda::CudaBackend>) -> Result<Arc<crate::model::HeadWeights<crate::cuda::CudaBackend>>> {
+        Ok(self.sw.head.clone())
     }
 
     fn layer_done(&mut self, _model: &crate::model::Model<crate::cuda::CudaBackend>, l: usize) -> Result<()> {

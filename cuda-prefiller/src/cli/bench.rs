@@ -1,18 +1,16 @@
 //! `k3-prefill bench`: prefill throughput.
 //!
-//! Two modes:
-//! - `--model DIR`: the whole model through the layer-major executor on the chosen backend
-//!   (`--backend cpu|cuda|auto`), for each `--tokens` length: tokens/s and GFLOP/s. On CUDA the
-//!   weights are streamed per prompt (`--vram-budget`, `--expert-chunk`; `--resident` keeps
-//!   them loaded instead), with compute vs waiting-for-weights per layer.
-//! - `--project`: real K3 widths (7168 hidden, 896 MXFP4 experts) without a checkpoint. A few
-//!   layers (`--layers`, pattern KDA,KDA,KDA,MLA as in K3) with random weights held in host
-//!   RAM are streamed to the GPU by the [`WeightStreamer`] (pinned double-buffered staging, copy
-//!   stream) while the previous unit computes; each run is timed three ways — transfer alone,
-//!   compute alone, overlapped — and the per-layer times are extrapolated to K3's 69 KDA + 24
-//!   MLA layers. The roofline is `max(weight bytes / PCIe, FLOPs / peak)` per layer.
-//!   `--vram-budget GB` bounds the device memory of the weight slots: when two whole layers do
-//!   not fit, a layer's experts stream in chunks into two expert slots (bench_project.rs).
+//! - `--model DIR`: the whole model through the layer-major executor on the chosen backend, the
+//!   path `forward` and `serve` run. On CUDA the weights stream per prompt through the same
+//!   [`StreamedWeights`](crate::streamer::StreamedWeights) (`--vram-budget`, `--expert-chunk`,
+//!   the source: page cache, `--pin-host`, `--direct-io`; `--resident` keeps them loaded
+//!   instead). Before the prompts it measures, in the same run, the roofline's two rates (pinned
+//!   host-to-device copy, a large BF16 cuBLAS GEMM) and the weight source's own read limit;
+//!   each prompt length then gets seconds, tokens/s, achieved H2D GB/s, GPU compute, the ratio
+//!   to the roofline `max(weight bytes / H2D rate, FLOPs / BF16 GEMM rate)` and the projection
+//!   to K3's 93 layers from the per-layer times of the same run. `K3_PROFILE=1` adds the GPU
+//!   time per step. A K3-width model that does not fit a disk: `k3-prefill synth --preset k3
+//!   --layers 3` into a tmpfs directory (the host-memory checkpoint, read by the same reader).
 //! - `--kernels`: the KDA, MLA and expert kernels alone at K3 shapes (bench_kernels.rs), or the
 //!   memory-bound f32 ops (`--elementwise-only`, bench_elementwise.rs).
 
@@ -21,12 +19,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
 use serde::Serialize;
 
-use super::forward::BackendChoice;
+use super::forward::{BackendChoice, StreamArgs};
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
-use crate::cuda::synth_layer::{self as sl, Attn, Dims};
 use crate::cuda::CudaBackend;
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
@@ -48,47 +46,17 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Projection mode: real K3 widths from host memory, extrapolated to all 93 layers.
-    #[arg(long)]
-    pub project: bool,
-    /// Projection: layers to run (pattern KDA,KDA,KDA,MLA,...).
-    #[arg(long, default_value_t = 4)]
-    pub layers: usize,
-    /// Projection: routed experts per layer (default: K3's 896).
-    #[arg(long)]
-    pub experts: Option<usize>,
-    /// Projection and model mode (CUDA): device memory for weight slots, GB (default: two
-    /// whole layers); below that, each layer's routed experts stream in chunks.
-    #[arg(long)]
-    pub vram_budget: Option<f64>,
-    /// Model mode (CUDA): at most this many routed experts per streamed transfer unit.
-    #[arg(long)]
-    pub expert_chunk: Option<usize>,
+    #[command(flatten)]
+    pub stream: StreamArgs,
     /// Model mode (CUDA): keep every layer resident instead of streaming the weights per prompt.
     #[arg(long)]
     pub resident: bool,
     /// Tokens per chunk within a layer.
     #[arg(long, default_value_t = 16384)]
     pub chunk_tokens: usize,
-    /// Reader threads of the streamer.
-    #[arg(long, default_value_t = 16)]
-    pub readers: usize,
-    /// Projection: keep the host weight images page-locked and DMA straight from them (a model
-    /// held in pinned RAM) instead of copying through the staging buffers (a model in page cache).
-    #[arg(long)]
-    pub pinned_source: bool,
-    /// Bytes per pinned staging buffer, MiB (two are allocated).
-    #[arg(long, default_value_t = 512)]
-    pub stage_mib: usize,
-    /// Host-to-device bandwidth of the roofline, GB/s.
-    #[arg(long, default_value_t = 55.0)]
-    pub pcie_gbs: f64,
-    /// Peak BF16 tensor rate of the roofline, TFLOP/s.
-    #[arg(long, default_value_t = 790.0)]
-    pub peak_tflops: f64,
-    /// Projection: skip the transfer-alone and compute-alone runs.
-    #[arg(long)]
-    pub overlapped_only: bool,
+    /// Model mode: the source's read limit is measured over at most this many GB of the shards.
+    #[arg(long, default_value_t = 8.0)]
+    pub source_probe_gb: f64,
     /// Kernel mode: time the KDA prefill (fp32) and MLA attention (bf16) kernels alone on K3
     /// shapes (96 heads; KDA 128/128, MLA qk 192 / v 128), one JSON object per length
     /// (scripts/peer_bench.py compares them with fla and PyTorch SDPA).
@@ -123,10 +91,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.kernels {
         return super::bench_kernels::run(&args);
     }
-    if args.project {
-        return super::bench_project::run(&args);
-    }
-    let Some(dir) = args.model.clone() else { bail!("bench: give --model DIR, or --project for real-width layers without a checkpoint") };
+    let Some(dir) = args.model.clone() else { bail!("bench: give --model DIR (a K3-width model that fits no disk: `k3-prefill synth --preset k3 --layers 3 --out /dev/shm/k3`), or --kernels") };
     let ck = Arc::new(k3_protocol::Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?);
     match args.backend {
         BackendChoice::Cpu => model_bench(Arc::new(CpuBackend), ck, &args),
@@ -141,14 +106,138 @@ pub fn run(args: Args) -> Result<()> {
     }
 }
 
-#[derive(Serialize)]
+/// Useful FLOPs of one layer over `t` new tokens after `pos0` earlier ones (GEMMs, attention,
+/// the KDA chunked delta rule; not the elementwise ops), for the roofline.
+pub fn layer_flops(c: &TextConfig, spec: &LayerSpec, t: usize, pos0: usize) -> f64 {
+    let h = c.hidden_size as f64;
+    let la = &c.linear_attn_config;
+    let kc = (la.num_heads * la.head_dim) as f64;
+    let t_ = t as f64;
+    let gemm = |m: f64, n: f64, k: f64| 2.0 * m * n * k;
+    let mut f = 0.0;
+    match spec.attn {
+        AttnKind::Kda => {
+            let dd = la.head_dim as f64;
+            // q, k, v, g projections and β; f_a/f_b; o
+            f += gemm(t_, 3.0 * kc + kc + la.num_heads as f64, h) + gemm(t_, dd, h) + gemm(t_, kc, dd) + gemm(t_, h, kc);
+            // chunked delta rule per 64-token chunk and head: pair products (A, QK), the
+            // triangular solve, and the state products (W·S, Qg·S, M·V, state update)
+            let per_chunk = 2.0 * (64.0 * 65.0 / 2.0) * dd * 2.0 + 64.0 * 64.0 * 2.0 * dd + 2.0 * 64.0 * dd * dd * 3.0 + 64.0 * 64.0 * dd;
+            f += (t as f64 / 64.0).ceil() * la.num_heads as f64 * per_chunk;
+        }
+        AttnKind::Mla => {
+            let (heads, nope, rope, v, kvl) = (c.num_attention_heads as f64, c.qk_nope_head_dim as f64, c.qk_rope_head_dim as f64, c.v_head_dim as f64, c.kv_lora_rank as f64);
+            let q = c.q_lora_rank as f64;
+            f += gemm(t_, q, h) + gemm(t_, heads * (nope + rope), q) + gemm(t_, kvl + rope, h);
+            f += gemm((pos0 + t) as f64, heads * (nope + v), kvl);
+            // output gate and o projection
+            f += gemm(t_, heads * v, h) + gemm(t_, h, heads * v);
+            // causal pairs: queries pos0..pos0+t see pos0+i+1 keys
+            let pairs = t_ * pos0 as f64 + t_ * (t_ + 1.0) / 2.0;
+            f += 2.0 * pairs * heads * (nope + rope + v);
+        }
+    }
+    match spec.ffn {
+        FfnKind::Dense => f += 3.0 * gemm(t_, c.intermediate_size as f64, h),
+        FfnKind::LatentMoe => {
+            let (lat, sh) = (c.routed_expert_hidden_size as f64, c.shared_expert_width() as f64);
+            f += gemm(t_, c.num_experts as f64, h) + gemm(t_, lat, h) + gemm(t_, h, lat) + 3.0 * gemm(t_, sh, h);
+            f += (t * c.num_experts_per_token) as f64 * 3.0 * 2.0 * c.moe_intermediate_size as f64 * lat;
+        }
+    }
+    f
+}
+
+/// The roofline's rates and the weight source's limit, measured at the start of the run.
+#[derive(Serialize, Default, Clone)]
+struct Rates {
+    /// Pinned host → device copy of 1 GiB on the copy stream (median of 5).
+    pinned_h2d_gbs: f64,
+    /// BF16 cuBLAS GEMM 16384 × 16384 × 16384, f32 accumulation (median of 5).
+    bf16_gemm_tflops: f64,
+    weights_from: String,
+    /// The source's read rate into pinned memory at the streamer's reader count (`pread` or
+    /// raw `O_DIRECT` of the same shards; NaN for pinned host memory, which is not read).
+    source_read_gbs: f64,
+    /// What the source can feed the GPU: min(read rate, pinned H2D); pinned H2D for pinned memory.
+    source_limit_gbs: f64,
+}
+
+fn measure_rates(b: &CudaBackend, ck: &k3_protocol::Checkpoint, sw: Option<&crate::streamer::StreamedWeights>, readers: usize, probe_gb: f64) -> Result<Rates> {
+    let g = &b.gpu;
+    let mut r = Rates::default();
+    // pinned H2D
+    let n = 1usize << 30;
+    let host = g.pinned(n)?;
+    let dev = g.alloc_sync(n)?;
+    let mut v = Vec::new();
+    for i in 0..6 {
+        let (e0, e1) = (g.event()?, g.event()?);
+        e0.record(g.copy_stream())?;
+        host.copy_to_device(0, n, dev.ptr, g.copy_stream())?;
+        e1.record(g.copy_stream())?;
+        e1.sync()?;
+        if i > 0 {
+            v.push(n as f64 / 1e9 / (e0.ms_to(&e1)? as f64 / 1e3));
+        }
+    }
+    r.pinned_h2d_gbs = median(&mut v);
+    drop((host, dev));
+    // BF16 GEMM
+    let m = 16384usize;
+    let (xb, wb, y) = (g.alloc_sync(m * m * 2)?, g.alloc_sync(m * m * 2)?, g.alloc_sync(m * m * 4)?);
+    for p in [&xb, &wb] {
+        // small finite bf16 values (0x3c00 ≈ 0.0078)
+        unsafe { crate::cuda::gpu::ck(cudarc::driver::sys::cuMemsetD16_v2(p.ptr, 0x3c00, m * m), "filling the GEMM operands")? };
+    }
+    let mut v = Vec::new();
+    for i in 0..6 {
+        let (e0, e1) = (g.event()?, g.event()?);
+        e0.record(g.stream())?;
+        b.gemm_bf16_raw(xb.ptr, wb.ptr, y.ptr, m, m, m)?;
+        e1.record(g.stream())?;
+        e1.sync()?;
+        if i > 0 {
+            v.push(2.0 * (m as f64).powi(3) / 1e12 / (e0.ms_to(&e1)? as f64 / 1e3));
+        }
+    }
+    r.bf16_gemm_tflops = median(&mut v);
+    drop((xb, wb, y));
+    // the source
+    let from = sw.map(|s| s.weights_from).unwrap_or_default();
+    r.weights_from = from.name().into();
+    r.source_read_gbs = f64::NAN;
+    r.source_limit_gbs = r.pinned_h2d_gbs;
+    if sw.is_some() && from != crate::streamer::WeightsFrom::PinHost {
+        let max = (probe_gb * 1e9) as usize;
+        let gbs = match from {
+            crate::streamer::WeightsFrom::Direct => crate::streamer::read_rate(g, &crate::streamer::DirectShards::open(ck)?, ck, readers, max)?,
+            _ => crate::streamer::read_rate(g, &crate::streamer::ShardFiles::open(ck)?, ck, readers, max)?,
+        };
+        r.source_read_gbs = gbs;
+        r.source_limit_gbs = gbs.min(r.pinned_h2d_gbs);
+    }
+    Ok(r)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+#[derive(Serialize, Default)]
 struct ModelRow {
     backend: String,
+    weights_from: String,
     tokens: usize,
     seconds: f64,
     tokens_per_s: f64,
-    gflop: f64,
-    gflop_per_s: f64,
+    /// Layer FLOPs (+ lm_head of the last row).
+    tflop: f64,
     /// Weights streamed per prompt (CUDA) or resident.
     streamed: bool,
     weight_gb: f64,
@@ -158,54 +247,84 @@ struct ModelRow {
     wait_s: f64,
     host_wait_s: f64,
     copy_s: f64,
+    /// Weight bytes / copy-stream time.
     h2d_gbs: f64,
+    /// `h2d_gbs` / the source's measured limit.
+    of_source_limit: f64,
+    /// max(weight bytes / pinned H2D, FLOPs / BF16 GEMM rate), both measured in this run.
+    roofline_s: f64,
+    of_roofline: f64,
+    /// K3's 93 layers from this run's per-layer times (layer kinds as in K3's plan) plus this
+    /// run's time outside the layers (embedding, output head).
+    k3_93_layers_s: f64,
+    k3_93_tokens_per_s: f64,
+    k3_93_roofline_s: f64,
+    k3_93_of_roofline: f64,
     per_layer: Vec<crate::streamer::LayerStreamTime>,
+    /// `K3_PROFILE=1`: GPU ms per step.
+    profile: Vec<(String, f64)>,
 }
 
 fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
     let stream = crate::streamer::is_cuda_backend(&*b) && !args.resident;
-    let model = Model::new(b.clone(), ck, if stream { WeightPolicy::PerLayer } else { WeightPolicy::Resident })?;
+    let model = Model::new(b.clone(), ck.clone(), if stream { WeightPolicy::PerLayer } else { WeightPolicy::Resident })?;
+    let sopts = args.stream.options()?;
     let sw = if stream {
-        let opts = crate::streamer::StreamOptions {
-            vram_budget: crate::streamer::StreamOptions::budget_from_gb(args.vram_budget)?,
-            readers: args.readers.max(1),
-            stage_bytes: args.stage_mib.max(1) << 20,
-            expert_chunk: args.expert_chunk,
-        };
-        let sw = crate::streamer::streamed_weights_for(&model, &opts)?;
-        eprintln!("weight streamer: {}", sw.plan().describe());
+        let sw = crate::streamer::streamed_weights_for(&model, &sopts)?;
+        eprintln!("weight streamer: {} (from {}, {} readers)", sw.plan().describe(), sw.weights_from.name(), sopts.readers);
         Some(sw)
     } else {
         None
     };
+    let cuda = (&*b as &dyn std::any::Any).downcast_ref::<CudaBackend>();
+    let rates = match cuda {
+        Some(c) => Some(measure_rates(c, &ck, sw.as_ref(), sopts.readers, args.source_probe_gb)?),
+        None => None,
+    };
+    if let Some(r) = &rates {
+        eprintln!(
+            "measured in this run: pinned H2D {:.1} GB/s, BF16 GEMM {:.0} TFLOP/s; weights from {}: read {:.1} GB/s, limit {:.1} GB/s",
+            r.pinned_h2d_gbs, r.bf16_gemm_tflops, r.weights_from, r.source_read_gbs, r.source_limit_gbs
+        );
+    }
     let cfg = model.cfg.clone();
-    let d = Dims::of(&cfg);
     let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
     let ids_of = |t: usize| -> Vec<u32> { (0..t).map(|i| ((i as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect() };
-    // warm-up (kernel compilation, allocator pools), untimed
+    // warm-up (kernel compilation, cuBLAS heuristics, allocator pools; long enough for the dense
+    // expert path), untimed
+    let warm = args.tokens.iter().copied().min().unwrap_or(256).min(16384);
     let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
-    crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids_of(256)), &opts, |_| Ok(()))?;
+    crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids_of(warm)), &opts, |_| Ok(()))?;
+    // K3's layer plan, for the projection
+    let k3_plan = k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
+        .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
+        .text_config;
+    let k3_specs = k3_plan.layer_plan();
     let mut rows = Vec::new();
     for &t in &args.tokens {
         let ids = ids_of(t);
         let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
+        crate::cuda::profile::reset();
+        if let Some(c) = cuda {
+            c.gpu.sync()?;
+        }
         let t0 = Instant::now();
         let (_, st) = crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(()))?;
         let s = t0.elapsed().as_secs_f64();
-        let mut flops = 0.0;
-        for spec in &model.plan {
-            let attn = if spec.attn == k3_protocol::config::AttnKind::Mla { Attn::Mla } else { Attn::Kda };
-            flops += sl::layer_flops(attn, &d, t, 0);
+        if let Some(c) = cuda {
+            crate::cuda::profile::begin(&c.gpu, "-")?;
         }
-        flops += 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
+        let profile = crate::cuda::profile::report()?.into_iter().map(|(n, ms)| (n.to_string(), ms)).collect();
+        let layer_fl: Vec<f64> = model.plan.iter().map(|spec| layer_flops(&cfg, spec, t, 0)).collect();
+        let flops = layer_fl.iter().sum::<f64>() + 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
         let st = st.unwrap_or_default();
-        rows.push(ModelRow {
+        let mut row = ModelRow {
             backend: b.name().into(),
+            weights_from: rates.as_ref().map(|r| r.weights_from.clone()).unwrap_or_default(),
             tokens: t,
             seconds: s,
             tokens_per_s: t as f64 / s,
-            gflop: flops / 1e9,
-            gflop_per_s: flops / 1e9 / s,
+            tflop: flops / 1e12,
             streamed: stream,
             weight_gb: st.bytes as f64 / 1e9,
             compute_s: st.compute_s,
@@ -213,42 +332,105 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             host_wait_s: st.host_wait_s,
             copy_s: st.copy_s,
             h2d_gbs: if st.copy_s > 0.0 { st.bytes as f64 / 1e9 / st.copy_s } else { f64::NAN },
-            per_layer: st.layers,
-        });
+            per_layer: st.layers.clone(),
+            profile,
+            ..Default::default()
+        };
+        if let (Some(r), true) = (&rates, stream) {
+            row.of_source_limit = row.h2d_gbs / r.source_limit_gbs;
+            let roof = |bytes: f64, fl: f64| (bytes / 1e9 / r.pinned_h2d_gbs).max(fl / 1e12 / r.bf16_gemm_tflops);
+            row.roofline_s = roof(st.bytes as f64, flops);
+            row.of_roofline = row.roofline_s / s;
+            // projection: each K3 layer takes the time (GPU compute + wait for weights) of the
+            // last layer of the same kind in this run; the time outside the layers once
+            let span = |l: &crate::streamer::LayerStreamTime| (l.compute_ms + l.wait_ms) / 1e3;
+            let inside: f64 = st.layers.iter().map(span).sum();
+            let outside = (s - inside).max(0.0);
+            let kind = |sp: &LayerSpec| (sp.attn, sp.ffn);
+            let (mut p_s, mut p_bytes, mut p_fl, mut missing) = (outside, 0.0, 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64, Vec::new());
+            for ks in &k3_specs {
+                match st.layers.iter().rev().find(|l| model.plan.get(l.layer).map(kind) == Some(kind(ks))) {
+                    Some(l) => {
+                        p_s += span(l);
+                        p_bytes += l.bytes as f64;
+                        p_fl += layer_flops(&cfg, &model.plan[l.layer], t, 0);
+                    }
+                    None => missing.push(ks.index),
+                }
+            }
+            if missing.is_empty() {
+                row.k3_93_layers_s = p_s;
+                row.k3_93_tokens_per_s = t as f64 / p_s;
+                row.k3_93_roofline_s = roof(p_bytes, p_fl);
+                row.k3_93_of_roofline = row.k3_93_roofline_s / p_s;
+            } else {
+                eprintln!("no 93-layer projection: this model has no layer of the kind of K3 layers {missing:?}");
+            }
+        }
+        rows.push(row);
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::json!({ "rates": rates, "rows": rows }));
         return Ok(());
     }
-    for r in rows.iter().filter(|r| r.streamed) {
-        println!("\n== {} tokens, streamed weights: per layer (GPU ms) ==", r.tokens);
-        println!("{:>5} {:>4} {:>9} {:>6} {:>11} {:>9} {:>12} {:>9}", "layer", "attn", "MB", "units", "compute ms", "wait ms", "host wait ms", "copy ms");
-        for l in &r.per_layer {
-            let attn = match model.plan.get(l.layer).map(|s| s.attn) {
-                Some(k3_protocol::config::AttnKind::Mla) => "MLA",
-                _ => "KDA",
-            };
-            println!(
-                "{:>5} {:>4} {:>9.1} {:>6} {:>11.2} {:>9.2} {:>12.2} {:>9.2}",
-                l.layer,
-                attn,
-                l.bytes as f64 / 1e6,
-                l.units,
-                l.compute_ms,
-                l.wait_ms,
-                l.host_wait_ms,
-                l.copy_ms
-            );
+    for r in rows.iter() {
+        if r.streamed {
+            println!("\n== {} tokens, streamed weights: per layer (GPU ms) ==", r.tokens);
+            println!("{:>5} {:>4} {:>9} {:>6} {:>11} {:>9} {:>12} {:>9}", "layer", "attn", "MB", "units", "compute ms", "wait ms", "host wait ms", "copy ms");
+            for l in &r.per_layer {
+                let attn = match model.plan.get(l.layer).map(|s| s.attn) {
+                    Some(AttnKind::Mla) => "MLA",
+                    _ => "KDA",
+                };
+                println!(
+                    "{:>5} {:>4} {:>9.1} {:>6} {:>11.2} {:>9.2} {:>12.2} {:>9.2}",
+                    l.layer,
+                    attn,
+                    l.bytes as f64 / 1e6,
+                    l.units,
+                    l.compute_ms,
+                    l.wait_ms,
+                    l.host_wait_ms,
+                    l.copy_ms
+                );
+            }
+        }
+        if !r.profile.is_empty() {
+            let total: f64 = r.profile.iter().map(|x| x.1).sum();
+            println!("\n== {} tokens: GPU time per step (K3_PROFILE) ==", r.tokens);
+            for (n, ms) in &r.profile {
+                println!("{:>40} {:>10.1} ms {:>6.1} %", n, ms, 100.0 * ms / total);
+            }
         }
     }
+    if let Some(r) = &rates {
+        println!(
+            "\nmeasured in this run: pinned H2D {:.1} GB/s, BF16 GEMM {:.0} TFLOP/s; weights from {}: read {:.1} GB/s, source limit {:.1} GB/s",
+            r.pinned_h2d_gbs, r.bf16_gemm_tflops, r.weights_from, r.source_read_gbs, r.source_limit_gbs
+        );
+    }
     println!(
-        "\n{:>8} {:>8} {:>10} {:>12} {:>10} {:>10} {:>9} {:>10} {:>9} {:>10} {:>9} {:>9}",
-        "backend", "tokens", "seconds", "tokens/s", "GFLOP", "GFLOP/s", "weight GB", "compute s", "wait s", "host wait", "copy s", "H2D GB/s"
+        "\n{:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8}",
+        "backend", "tokens", "seconds", "tokens/s", "TFLOP", "weight GB", "H2D GB/s", "of src", "compute s", "wait s", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s", "93L roof"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>8} {:>10.3} {:>12.1} {:>10.1} {:>10.1} {:>9.3} {:>10.3} {:>9.3} {:>10.3} {:>9.3} {:>9.1}",
-            r.backend, r.tokens, r.seconds, r.tokens_per_s, r.gflop, r.gflop_per_s, r.weight_gb, r.compute_s, r.wait_s, r.host_wait_s, r.copy_s, r.h2d_gbs
+            "{:>8} {:>8} {:>9.3} {:>10.1} {:>8.1} {:>9.2} {:>9.1} {:>8.1}% {:>9.3} {:>9.3} {:>9.3} {:>8.1}% {:>10.1} {:>9.0} {:>7.1}%",
+            r.backend,
+            r.tokens,
+            r.seconds,
+            r.tokens_per_s,
+            r.tflop,
+            r.weight_gb,
+            r.h2d_gbs,
+            100.0 * r.of_source_limit,
+            r.compute_s,
+            r.wait_s,
+            r.roofline_s,
+            100.0 * r.of_roofline,
+            r.k3_93_layers_s,
+            r.k3_93_tokens_per_s,
+            100.0 * r.k3_93_of_roofline
         );
     }
     Ok(())

@@ -8,7 +8,6 @@ use serde::Serialize;
 
 use super::bench::Args;
 use crate::backend::Backend;
-use crate::cuda::synth_layer::Dims;
 use crate::cuda::{CudaBackend, Precision};
 
 #[derive(Serialize)]
@@ -220,7 +219,7 @@ fn mla_times(b: &CudaBackend, t: usize, reps: usize) -> Result<(f64, f64)> {
 struct MoeTimes {
     moe_tokens: usize,
     moe_rows_per_expert: f64,
-    /// The path `--backend cuda` takes at this length (`K3_MOE_PATH=auto`).
+    /// The path `--backend cuda` takes at this length (`MoePath::Auto`).
     moe_path: &'static str,
     moe_ms: f64,
     moe_tflops: f64,
@@ -228,6 +227,27 @@ struct MoeTimes {
     moe_mma_tflops: f64,
     moe_dense_ms: f64,
     moe_dense_tflops: f64,
+}
+
+/// The routed-expert shapes of a K3-layout config.
+struct Dims {
+    experts: usize,
+    top_k: usize,
+    inter: usize,
+    latent: usize,
+    betas: crate::backend::SituBetas,
+}
+
+impl Dims {
+    fn of(c: &k3_protocol::config::TextConfig) -> Self {
+        Dims {
+            experts: c.num_experts,
+            top_k: c.num_experts_per_token,
+            inter: c.moe_intermediate_size,
+            latent: c.routed_expert_hidden_size,
+            betas: crate::backend::SituBetas { beta: c.activation_situ_beta, linear_beta: c.activation_situ_linear_beta },
+        }
+    }
 }
 
 /// The routed experts of one K3 layer (896 MXFP4 experts of 3072 x 3584, top-16), all resident.

@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::executor::{ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
-use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for, StreamOptions};
+use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for, StreamOptions, WeightsFrom};
 
 /// Which ops backend runs the forward.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,12 +77,20 @@ pub struct StreamArgs {
     /// where whole layers fit the budget).
     #[arg(long)]
     pub expert_chunk: Option<usize>,
-    /// CUDA: reader threads filling the staging buffers (default: the cores, at most 16).
+    /// CUDA: reader threads filling the staging buffers (default: half the cores, 2 to 8).
     #[arg(long)]
     pub stream_readers: Option<usize>,
     /// CUDA: bytes per pinned staging buffer, MiB (two are allocated).
     #[arg(long, default_value_t = 256)]
     pub stage_mib: usize,
+    /// CUDA: copy every shard once into page-locked host memory at start; the GPU then copies
+    /// the weights straight from it (a machine whose RAM holds the model).
+    #[arg(long, conflicts_with = "direct_io")]
+    pub pin_host: bool,
+    /// CUDA: read the shards with O_DIRECT (NVMe straight into the pinned staging, no page
+    /// cache; the file system must support direct I/O).
+    #[arg(long)]
+    pub direct_io: bool,
 }
 
 impl StreamArgs {
@@ -94,12 +102,19 @@ impl StreamArgs {
             readers: self.stream_readers.unwrap_or(d.readers).max(1),
             stage_bytes: self.stage_mib << 20,
             expert_chunk: self.expert_chunk,
+            weights_from: if self.pin_host {
+                WeightsFrom::PinHost
+            } else if self.direct_io {
+                WeightsFrom::Direct
+            } else {
+                WeightsFrom::PageCache
+            },
         })
     }
 
     /// Whether any streaming option was given (they only apply to the CUDA backend).
     pub fn given(&self) -> bool {
-        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some()
+        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some() || self.pin_host || self.direct_io
     }
 }
 

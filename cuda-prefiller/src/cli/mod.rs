@@ -3,7 +3,6 @@
 pub mod bench;
 pub mod bench_elementwise;
 pub mod bench_kernels;
-pub mod bench_project;
 pub mod forward;
 pub mod inspect;
 pub mod serve;

@@ -21,6 +21,7 @@ use super::blas::{Blas, GemmType};
 use super::gpu::{DevMem, Gpu};
 use super::kernels as k;
 use super::moe_dense::{self, MoeDenseCfg, MoePath};
+use super::profile;
 use crate::backend::{
     Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
@@ -241,7 +242,8 @@ pub struct CudaBackend {
     /// Kernel-name suffix of the BF16 expert GEMMs: `""` (ldmatrix fragments, default) or
     /// `"_lds32"` (the first version, 32-bit shared loads); `K3_MOE_KERNEL=lds32` selects it.
     pub moe_variant: &'static str,
-    /// BF16 expert path: `K3_MOE_PATH=auto|mma|dense` (default auto: by rows per expert).
+    /// BF16 expert path: [`MoePath::Auto`] picks per layer and prompt by the routed rows per
+    /// expert; tests and `bench --kernels` force one to compare them.
     pub moe_path: MoePath,
     /// Sizes of the dense expert path (`K3_MOE_DENSE=streams=4,group_mib=1024,...`).
     pub moe_dense: MoeDenseCfg,
@@ -268,10 +270,7 @@ impl CudaBackend {
         let gpu = Gpu::open()?;
         let blas = Blas::new(gpu.stream())?;
         let moe_variant = if std::env::var("K3_MOE_KERNEL").as_deref() == Ok("lds32") { "_lds32" } else { "" };
-        let moe_path = match std::env::var("K3_MOE_PATH") {
-            Ok(s) => s.parse()?,
-            Err(_) => MoePath::Auto,
-        };
+        let moe_path = MoePath::Auto;
         let moe_dense = match std::env::var("K3_MOE_DENSE") {
             Ok(s) => MoeDenseCfg::parse(&s, MoeDenseCfg::default())?,
             Err(_) => MoeDenseCfg::default(),
@@ -339,8 +338,11 @@ impl CudaBackend {
         self.blas.gemm(GemmType::Bf16, xb, kk, w, y, n, rows, n, kk)
     }
 
-    /// Groups `t*k` routed selections (`ids` i32 on the device) by expert.
-    pub fn moe_plan(&self, ids: CUdeviceptr, weights: DevMem, t: usize, top_k: usize, e: usize, layout: &ExpertLayout) -> Result<MoePlan> {
+    /// Groups `t*k` routed selections (`ids` i32 on the device) by expert. `host_offsets`: the
+    /// grouped row offsets when the caller knows the routing on the host (else the dense path
+    /// reads them back).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_plan(&self, ids: CUdeviceptr, weights: DevMem, t: usize, top_k: usize, e: usize, layout: &ExpertLayout, host_offsets: Option<Vec<i32>>) -> Result<MoePlan> {
         let g = &self.gpu;
         let n = t * top_k;
         let bm = if self.bf16() { k::BF16_BM } else { k::F32_BM };
@@ -368,7 +370,7 @@ impl CudaBackend {
         // the dense path keeps the SiTU output per worker slice, not for every routed row
         let hg = g.alloc(if dense { 256 } else { n * layout.inter * esz })?;
         let yg = g.alloc(n * layout.latent * 4)?;
-        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, hg_row_bytes: layout.inter * esz, yg, weights, dense: false, host_offsets: None };
+        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, hg_row_bytes: layout.inter * esz, yg, weights, dense: false, host_offsets };
         self.moe_set_dense(&mut plan, dense)?;
         Ok(plan)
     }
@@ -445,28 +447,6 @@ impl CudaBackend {
         )
     }
 
-    /// [`CudaBackend::moe_run_chunk`] for several plans (token chunks of one layer) over the
-    /// same experts: on the dense path each expert group is dequantised once for all of them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_run_chunks(
-        &self,
-        plans: &[&MoePlan],
-        layout: &ExpertLayout,
-        wbase: CUdeviceptr,
-        e_lo: usize,
-        e_hi: usize,
-        betas: SituBetas,
-        stream: Option<cudarc::driver::sys::CUstream>,
-    ) -> Result<()> {
-        if plans.len() > 1 && plans.iter().all(|p| p.dense) {
-            return moe_dense::run_many(self, plans, layout, wbase, e_lo, e_hi, betas, stream);
-        }
-        for p in plans {
-            self.moe_run_chunk(p, layout, wbase, e_lo, e_hi, betas, stream)?;
-        }
-        Ok(())
-    }
-
     /// Weighted combine of the grouped outputs back to `[t, latent]`.
     pub fn moe_combine(&self, plan: &MoePlan, latent: usize) -> Result<CudaBuf> {
         let out = self.empty(plan.t, latent)?;
@@ -525,25 +505,94 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// Plan + gather in one step.
-    /// A plan for host-side `routing` of `x_lat` over `n` experts (ids checked, uploaded).
+    /// A plan for host-side `routing` of `x_lat` over `n` experts (ids checked, uploaded; the
+    /// grouped offsets taken from the host routing, so no read-back).
     pub fn moe_plan_for(&self, x_lat: &CudaBuf, routing: &Routing, n: usize, layout: &ExpertLayout) -> Result<MoePlan> {
         let (t, kk) = (x_lat.rows, routing.top_k);
         ensure!(routing.ids.len() == t * kk && routing.weights.len() == t * kk, "moe_experts: routing for {} rows, x has {t}", routing.rows());
-        if let Some(bad) = routing.ids.iter().find(|&&e| e as usize >= n) {
-            bail!("moe_experts: expert id {bad} out of range (layer has {n} experts)");
+        let mut counts = vec![0i32; n + 1];
+        for &e in &routing.ids {
+            ensure!((e as usize) < n, "moe_experts: expert id {e} out of range (layer has {n} experts)");
+            counts[e as usize + 1] += 1;
+        }
+        for i in 0..n {
+            counts[i + 1] += counts[i];
         }
         let ids: Vec<i32> = routing.ids.iter().map(|&e| e as i32).collect();
         let ids_d = self.upload_bytes(bytemuck::cast_slice(&ids))?;
         let w_d = self.upload_bytes(bytemuck::cast_slice(&routing.weights))?;
-        self.moe_prepare(x_lat, ids_d.ptr, w_d, kk, n, layout)
+        ensure!(x_lat.cols == layout.latent, "moe: x_lat has {} columns, experts take {}", x_lat.cols, layout.latent);
+        let plan = self.moe_plan(ids_d.ptr, w_d, t, kk, n, layout, Some(counts))?;
+        self.moe_gather(&plan, x_lat.ptr(), layout.latent)?;
+        Ok(plan)
+    }
+
+    /// One plan over the rows of several inputs (the token chunks of a layer), in order: the
+    /// routed experts then run once for all of them (one launch sequence per expert, not per
+    /// chunk). Undo with [`CudaBackend::moe_split`].
+    pub fn moe_plan_merged(&self, inputs: &[(&CudaBuf, &Routing)], n: usize, layout: &ExpertLayout) -> Result<MoePlan> {
+        ensure!(!inputs.is_empty(), "moe: no inputs");
+        if inputs.len() == 1 {
+            return self.moe_plan_for(inputs[0].0, inputs[0].1, n, layout);
+        }
+        let k = inputs[0].1.top_k;
+        ensure!(inputs.iter().all(|(_, r)| r.top_k == k), "moe: token chunks routed with different top-k");
+        let rows: usize = inputs.iter().map(|(x, _)| x.rows).sum();
+        let cols = inputs[0].0.cols;
+        let x = self.empty(rows, cols)?;
+        let mut routing = Routing { top_k: k, ids: Vec::with_capacity(rows * k), weights: Vec::with_capacity(rows * k), gap: Vec::new() };
+        let mut r0 = 0;
+        for (xi, ri) in inputs {
+            ensure!(xi.cols == cols, "moe: token chunks of {} and {cols} columns", xi.cols);
+            self.gpu.dtod(x.row(r0), xi.ptr(), xi.len() * 4)?;
+            routing.ids.extend_from_slice(&ri.ids);
+            routing.weights.extend_from_slice(&ri.weights);
+            r0 += xi.rows;
+        }
+        self.moe_plan_for(&x, &routing, n, layout)
+    }
+
+    /// Splits a combined `[Σ rows, cols]` output back into the inputs' row counts.
+    pub fn moe_split(&self, out: CudaBuf, rows: &[usize]) -> Result<Vec<CudaBuf>> {
+        ensure!(rows.iter().sum::<usize>() == out.rows, "moe: {} output rows for {} input rows", out.rows, rows.iter().sum::<usize>());
+        if rows.len() == 1 {
+            return Ok(vec![out]);
+        }
+        let mut v = Vec::with_capacity(rows.len());
+        let mut r0 = 0;
+        for &r in rows {
+            let b = self.empty(r, out.cols)?;
+            self.gpu.dtod(b.ptr(), out.row(r0), r * out.cols * 4)?;
+            v.push(b);
+            r0 += r;
+        }
+        Ok(v)
     }
 
     pub fn moe_prepare(&self, x_lat: &CudaBuf, ids: CUdeviceptr, weights: DevMem, top_k: usize, e: usize, layout: &ExpertLayout) -> Result<MoePlan> {
         ensure!(x_lat.cols == layout.latent, "moe: x_lat has {} columns, experts take {}", x_lat.cols, layout.latent);
-        let plan = self.moe_plan(ids, weights, x_lat.rows, top_k, e, layout)?;
+        let plan = self.moe_plan(ids, weights, x_lat.rows, top_k, e, layout, None)?;
         self.moe_gather(&plan, x_lat.ptr(), layout.latent)?;
         Ok(plan)
+    }
+}
+
+/// The `K3_PROFILE` step of a GEMM, by its weight's name.
+fn gemm_step(w: &str) -> &'static str {
+    if w.contains("lm_head") {
+        "lm_head"
+    } else if w.contains("shared_experts") {
+        "shared experts (GEMMs)"
+    } else if w.ends_with("block_sparse_moe.gate.weight") {
+        "router GEMM"
+    } else if w.contains("block_sparse_moe") || w.contains("latent") {
+        "latent down/up projections"
+    } else if w.contains(".mlp.") {
+        "dense FFN (GEMMs)"
+    } else if w.contains(".f_a_proj") || w.contains(".f_b_proj") || w.contains(".b_proj") {
+        "small GEMMs (f_a/f_b, beta)"
+    } else {
+        "attention projections (GEMMs)"
     }
 }
 
@@ -557,6 +606,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "uploads, downloads")?;
         ensure!(data.len() == rows * cols, "upload: {} values for [{rows}, {cols}]", data.len());
         let b = self.empty(rows, cols)?;
         self.gpu.htod(b.ptr(), data)?;
@@ -564,6 +614,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, x: &CudaBuf) -> OpResult<Vec<f32>> {
+        profile::begin(&self.gpu, "uploads, downloads")?;
         let mut v = vec![0f32; x.len()];
         self.gpu.dtoh(&mut v, x.ptr())?;
         Ok(v)
@@ -576,6 +627,7 @@ impl Backend for CudaBackend {
     }
 
     fn slice_rows(&self, x: &CudaBuf, row0: usize, n: usize) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "adds, copies")?;
         ensure!(row0 + n <= x.rows, "slice_rows: rows {row0}..{} of a {}-row buffer", row0 + n, x.rows);
         let b = self.empty(n, x.cols)?;
         self.gpu.dtod(b.ptr(), x.row(row0), n * x.cols * 4)?;
@@ -589,6 +641,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_assign(&self, a: &mut CudaBuf, b: &CudaBuf) -> OpResult<()> {
+        profile::begin(&self.gpu, "adds, copies")?;
         self.check_same("add_assign", a, b)?;
         k::add_f32(&self.gpu, a.ptr(), b.ptr(), a.ptr(), a.len())
     }
@@ -618,6 +671,7 @@ impl Backend for CudaBackend {
     }
 
     fn gemm(&self, x: &CudaBuf, w: &CudaWeight) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, gemm_step(&w.name))?;
         ensure!(x.cols == w.cols, "gemm: x [{}, {}] · {} [{}, {}]ᵀ", x.rows, x.cols, w.name, w.rows, w.cols);
         let y = self.empty(x.rows, w.rows)?;
         self.gemm_raw(x.ptr(), x.cols, x.rows, w, y.ptr(), w.rows)?;
@@ -625,6 +679,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "norms")?;
         ensure!(w.rows * w.cols == x.cols, "rms_norm: weight {} has {} values for {} columns", w.name, w.rows * w.cols, x.cols);
         let y = self.empty(x.rows, x.cols)?;
         k::rmsnorm_rows(&self.gpu, x.ptr(), x.cols, w.f32_ptr("rms_norm")?, y.ptr(), x.cols, x.rows, x.cols, eps, self.parts.round)?;
@@ -632,6 +687,7 @@ impl Backend for CudaBackend {
     }
 
     fn situ_glu(&self, gate: &CudaBuf, up: &CudaBuf, betas: SituBetas) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "SiTU")?;
         self.check_same("situ_glu", gate, up)?;
         let y = self.empty(gate.rows, gate.cols)?;
         let b2 = betas.linear_beta.unwrap_or(0.0);
@@ -640,17 +696,20 @@ impl Backend for CudaBackend {
     }
 
     fn sigmoid(&self, x: &CudaBuf) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "gates (sigmoid)")?;
         let y = self.empty(x.rows, x.cols)?;
         k::sigmoid(&self.gpu, x.ptr(), y.ptr(), x.len())?;
         Ok(y)
     }
 
     fn sigmoid_gate_mul(&self, a: &mut CudaBuf, gate: &CudaBuf) -> OpResult<()> {
+        profile::begin(&self.gpu, "gates (sigmoid)")?;
         self.check_same("sigmoid_gate_mul", a, gate)?;
         k::mul_sigmoid(&self.gpu, a.ptr(), a.cols, gate.ptr(), gate.cols, a.rows, a.cols)
     }
 
     fn attn_res_mix(&self, bank: &[&CudaBuf], p: &CudaBuf, norm_w: &CudaWeight, proj_w: &CudaWeight, eps: f32) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "AttnRes mixes")?;
         for b in bank {
             self.check_same("attn_res_mix", b, p)?;
         }
@@ -662,6 +721,7 @@ impl Backend for CudaBackend {
     }
 
     fn short_conv_silu(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
         let (c, kw) = (w.rows, w.cols);
         ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
         let y = self.empty(x.rows, c)?;
@@ -673,6 +733,7 @@ impl Backend for CudaBackend {
     }
 
     fn short_conv_silu_l2(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
         let (c, kw) = (w.rows, w.cols);
         ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu_l2: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
         ensure!(head_dim > 0 && c.is_multiple_of(head_dim), "short_conv_silu_l2: {c} columns not a multiple of {head_dim}");
@@ -693,11 +754,13 @@ impl Backend for CudaBackend {
     }
 
     fn l2_norm_heads(&self, x: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()> {
+        profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
         ensure!(head_dim > 0 && x.cols % head_dim == 0, "l2_norm_heads: {} columns not a multiple of {head_dim}", x.cols);
         k::l2_norm_heads(&self.gpu, x.ptr(), x.rows, x.cols / head_dim, head_dim, eps, scale)
     }
 
     fn kda_gate(&self, z: &CudaBuf, a_log: &CudaWeight, dt_bias: &CudaWeight, dims: KdaDims, lower_bound: Option<f32>) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA gate, gated norm")?;
         ensure!(z.cols == dims.width(), "kda_gate: z has {} columns, heads*dim = {}", z.cols, dims.width());
         ensure!(a_log.rows * a_log.cols >= dims.heads, "kda_gate: A_log has fewer than {} values", dims.heads);
         ensure!(dt_bias.rows * dt_bias.cols == dims.width(), "kda_gate: dt_bias has {} values", dt_bias.rows * dt_bias.cols);
@@ -717,6 +780,7 @@ impl Backend for CudaBackend {
         dims: KdaDims,
         chunk: usize,
     ) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA recurrence (chunked)")?;
         let (t, h, d) = (q.rows, dims.heads, dims.head_dim);
         for (n, b) in [("k", kk), ("v", v), ("g", g)] {
             ensure!(b.rows == t && b.cols == dims.width(), "kda_chunked: {n} is [{}, {}], expected [{t}, {}]", b.rows, b.cols, dims.width());
@@ -760,6 +824,7 @@ impl Backend for CudaBackend {
         state: &mut CudaBuf,
         dims: KdaDims,
     ) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA recurrence")?;
         let t = q.rows;
         ensure!(kk.rows == t && v.rows == t && g.rows == t && beta.rows == t, "kda_recurrent: row counts differ");
         ensure!(state.len() == dims.state_len(), "kda_recurrent: state has {} values, expected {}", state.len(), dims.state_len());
@@ -769,6 +834,7 @@ impl Backend for CudaBackend {
     }
 
     fn gated_rms_norm(&self, o: &CudaBuf, gate: &CudaBuf, w: &CudaWeight, head_dim: usize, eps: f32) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "KDA gate, gated norm")?;
         self.check_same("gated_rms_norm", o, gate)?;
         ensure!(head_dim > 0 && o.cols % head_dim == 0 && w.rows * w.cols == head_dim, "gated_rms_norm: widths {} / {head_dim} / weight {}", o.cols, w.rows * w.cols);
         let y = self.empty(o.rows, o.cols)?;
@@ -777,6 +843,7 @@ impl Backend for CudaBackend {
     }
 
     fn mla_latent(&self, kv: &CudaBuf, w: &CudaWeight, eps: f32, dims: MlaDims) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "MLA latent")?;
         ensure!(kv.cols == dims.latent(), "mla_latent: kv has {} columns, expected {}", kv.cols, dims.latent());
         ensure!(w.rows * w.cols == dims.kv_lora, "mla_latent: norm weight has {} values", w.rows * w.cols);
         let y = self.empty(kv.rows, kv.cols)?;
@@ -785,6 +852,7 @@ impl Backend for CudaBackend {
     }
 
     fn mla_attention(&self, q: &CudaBuf, cache: &CudaBuf, kv_b: &CudaWeight, dims: MlaDims, pos0: usize, _form: MlaForm) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "MLA attention (incl. K/V expansion)")?;
         // Both forms compute the same function; the GPU always evaluates the expanded one.
         let (tq, h) = (q.rows, dims.heads);
         let tk = pos0 + tq;
@@ -807,6 +875,7 @@ impl Backend for CudaBackend {
     }
 
     fn route(&self, logits: &CudaBuf, bias: &CudaWeight, top_k: usize, renormalize: bool, scaling: f32) -> OpResult<Routing> {
+        profile::begin(&self.gpu, "MoE routing, grouping, combine")?;
         let t = logits.rows;
         let (ids, w, gap) = self.route_device(logits, bias, top_k, renormalize, scaling)?;
         let mut ids_h = vec![0i32; t * top_k];
@@ -819,16 +888,17 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, x_lat: &CudaBuf, routing: &Routing, experts: &CudaExperts, betas: SituBetas) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "routed experts")?;
         let layout = experts.layout;
         let plan = self.moe_plan_for(x_lat, routing, experts.n, &layout)?;
         self.moe_run_chunk(&plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
         self.moe_combine(&plan, layout.latent)
     }
 
-    /// The token chunks' plans in groups that fit half the available device memory, each group
-    /// in one pass over the experts ([`CudaBackend::moe_run_chunks`]); results identical to
-    /// [`Backend::moe_experts`] per chunk.
+    /// The token chunks in groups that fit half the available device memory, each group as one
+    /// plan ([`CudaBackend::moe_plan_merged`]) in one pass over the experts.
     fn moe_experts_many(&self, inputs: &[(&CudaBuf, &Routing)], experts: &CudaExperts, betas: SituBetas) -> OpResult<Vec<CudaBuf>> {
+        profile::begin(&self.gpu, "routed experts")?;
         let layout = experts.layout;
         let esz = if self.bf16() { 2 } else { 4 };
         // grouped input and f32 output per routed row (+ the SiTU rows the mma.sync path keeps)
@@ -842,12 +912,10 @@ impl Backend for CudaBackend {
                 bytes += inputs[j].1.ids.len() * per_row;
                 j += 1;
             }
-            let plans = inputs[i..j].iter().map(|(x, r)| self.moe_plan_for(x, r, experts.n, &layout)).collect::<Result<Vec<_>>>()?;
-            let refs: Vec<&MoePlan> = plans.iter().collect();
-            self.moe_run_chunks(&refs, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
-            for p in &plans {
-                out.push(self.moe_combine(p, layout.latent)?);
-            }
+            let plan = self.moe_plan_merged(&inputs[i..j], experts.n, &layout)?;
+            self.moe_run_chunk(&plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
+            let rows: Vec<usize> = inputs[i..j].iter().map(|(x, _)| x.rows).collect();
+            out.extend(self.moe_split(self.moe_combine(&plan, layout.latent)?, &rows)?);
             i = j;
         }
         Ok(out)

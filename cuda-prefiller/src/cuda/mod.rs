@@ -13,7 +13,6 @@ pub mod kernels;
 pub mod moe_dense;
 pub mod nvrtc;
 pub mod profile;
-pub mod synth_layer;
 
 pub use backend::{Bf16Parts, CudaBackend, Precision, SPLIT_GEMM_MIN_ROWS};
 pub use gpu::{DevMem, Gpu, PinnedBuf};
