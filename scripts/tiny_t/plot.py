@@ -23,6 +23,10 @@ def main():
     ax.plot(*zip(*tr), label="training loss (batch)", lw=1)
     if va:
         ax.plot(*zip(*va), "o-", label="validation loss (MXFP4 experts)", lw=1.5)
+    if va:
+        bs, bl = min(va, key=lambda x: x[1])
+        ax.axvline(bs, color="C1", ls=":", lw=1)
+        ax.annotate(f"kept: step {bs}", (bs, bl), textcoords="offset points", xytext=(5, 12), color="C1")
     if qat:
         ax.axvspan(min(qat), max(s for s, _ in tr), color="grey", alpha=0.15, label="MXFP4 quantisation-aware")
     ax.set_xlabel("step")
