@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=0, help="evaluate only the first N windows (0: all)")
     ap.add_argument("--compare", type=int, default=2, help="windows whose logits are compared engine vs torch")
+    ap.add_argument("--torch-windows", type=int, default=0,
+                    help="with --engine: run model.py only on the first N windows (0: all; it is slow on a CPU)")
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -69,13 +71,16 @@ def main():
     m.set_dense_experts(False)
     res = {"heldout_tokens": int(len(ids)), "unigram_ppl": uni, "windows": n, "seq": a.seq}
     tot_t = tot_e = 0.0
-    cnt = 0
+    cnt = cnt_t = 0
     errs, agree = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for w in range(n):
             win = ids[w * a.seq:(w + 1) * a.seq]
-            lt = m(torch.as_tensor(win).view(1, -1))[0]
-            tot_t += nll(lt, win)
+            use_torch = not a.engine or not a.torch_windows or w < max(a.torch_windows, a.compare)
+            if use_torch:
+                lt = m(torch.as_tensor(win).view(1, -1))[0]
+                tot_t += nll(lt, win)
+                cnt_t += len(win) - 1
             if a.engine:
                 le = engine_logits(a.engine, a.model, win, tmp)
                 tot_e += nll(le, win)
@@ -84,11 +89,13 @@ def main():
                     agree.append((le.argmax(-1) == lt.argmax(-1)).float().mean().item())
             cnt += len(win) - 1
             if (w + 1) % 10 == 0 or w + 1 == n:
-                msg = f"{w + 1}/{n} windows: torch ppl {math.exp(tot_t / cnt):.3f}"
+                msg = f"{w + 1}/{n} windows: torch ppl {math.exp(tot_t / max(1, cnt_t)):.3f} ({cnt_t} tokens)"
                 if a.engine:
                     msg += f", engine ppl {math.exp(tot_e / cnt):.3f}"
                 print(msg, flush=True)
-    res["torch_f32_ppl"] = math.exp(tot_t / cnt)
+    res["torch_f32_ppl"] = math.exp(tot_t / cnt_t)
+    res["torch_scored_tokens"] = cnt_t
+    res["engine_scored_tokens"] = cnt if a.engine else 0
     if a.engine:
         res["engine_cpu_f32_ppl"] = math.exp(tot_e / cnt)
         res["logits_max_row_rel_err"] = max(errs) if errs else None
