@@ -219,6 +219,13 @@ pub trait WeightFeed<B: Backend> {
         Ok(())
     }
 
+    /// The embeddings of `ids` as a `[ids.len(), hidden]` buffer on the backend, when the feed
+    /// gathers them there (ids are checked against the vocabulary first); `None`: the executor
+    /// gathers them on the host and uploads them.
+    fn embed(&mut self, _model: &Model<B>, _ids: &[u32]) -> anyhow::Result<Option<B::Buf>> {
+        Ok(None)
+    }
+
     /// The output head (final norms, `lm_head`); the model's own by default.
     fn head(&mut self, model: &Model<B>) -> anyhow::Result<Arc<HeadWeights<B>>> {
         model.head()
@@ -373,34 +380,66 @@ pub fn prefill_with<B: Backend>(
     let misread = model.misread;
     let park = opts.park_on_host;
 
-    // Embeddings, with overrides spliced in.
-    let mut emb = model.embed_rows(input.tokens)?;
-    if let Some(ov) = input.overrides {
-        ensure!(
-            ov.rows.len() == ov.positions.len() * h,
-            "embedding overrides: {} values for {} positions of width {h}",
-            ov.rows.len(),
-            ov.positions.len()
-        );
-        let mut seen = vec![false; n];
-        for (i, &pos) in ov.positions.iter().enumerate() {
-            ensure!(pos < n, "embedding override for position {pos}, but only {n} new tokens");
-            ensure!(!seen[pos], "embedding override for position {pos} given twice");
-            seen[pos] = true;
-            emb[pos * h..(pos + 1) * h].copy_from_slice(&ov.rows[i * h..(i + 1) * h]);
-        }
+    // Embeddings: gathered on the backend by the weight feed where it can (no overrides), else on
+    // the host with the overrides spliced in, then uploaded per chunk.
+    if let Some((pos, id)) = input.tokens.iter().enumerate().find(|(_, &id)| id as usize >= d.vocab) {
+        bail!("token id {id} at position {pos} is outside the vocabulary (size {})", d.vocab);
     }
-    let mut trace = opts.trace_last.then(|| HiddenTrace { embed: emb[(n - 1) * h..].to_vec(), ..Default::default() });
-
+    let mut host_emb: Option<Vec<f32>> = None;
+    let host_embeddings = |input: &PrefillInput<'_>| -> anyhow::Result<Vec<f32>> {
+        let mut emb = embed_parallel(model, input.tokens)?;
+        if let Some(ov) = input.overrides {
+            ensure!(
+                ov.rows.len() == ov.positions.len() * h,
+                "embedding overrides: {} values for {} positions of width {h}",
+                ov.rows.len(),
+                ov.positions.len()
+            );
+            let mut seen = vec![false; n];
+            for (i, &pos) in ov.positions.iter().enumerate() {
+                ensure!(pos < n, "embedding override for position {pos}, but only {n} new tokens");
+                ensure!(!seen[pos], "embedding override for position {pos} given twice");
+                seen[pos] = true;
+                emb[pos * h..(pos + 1) * h].copy_from_slice(&ov.rows[i * h..(i + 1) * h]);
+            }
+        }
+        Ok(emb)
+    };
+    if input.overrides.is_some() {
+        host_emb = Some(host_embeddings(&input)?);
+    }
     let mut chunks: Vec<ChunkResidual<B>> = Vec::new();
     let mut row0 = 0;
     while row0 < n {
         let rows = opts.chunk_tokens.min(n - row0);
-        let p = b.upload(&emb[row0 * h..(row0 + rows) * h], rows, h)?;
+        let on_device = match host_emb {
+            None => feed.embed(model, &input.tokens[row0..row0 + rows])?,
+            Some(_) => None,
+        };
+        let p = match on_device {
+            Some(p) => p,
+            None => {
+                if host_emb.is_none() {
+                    host_emb = Some(host_embeddings(&input)?);
+                }
+                let emb = host_emb.as_ref().expect("set above");
+                b.upload(&emb[row0 * h..(row0 + rows) * h], rows, h)?
+            }
+        };
         chunks.push(ChunkResidual { rows, bank: Vec::new(), p: Slot::store(b, p, park)? });
         row0 += rows;
     }
-    drop(emb);
+    let mut trace = match opts.trace_last {
+        false => None,
+        true => Some(HiddenTrace {
+            embed: match &host_emb {
+                Some(emb) => emb[(n - 1) * h..].to_vec(),
+                None => model.embed_rows(&input.tokens[n - 1..])?,
+            },
+            ..Default::default()
+        }),
+    };
+    drop(host_emb);
 
     let mut new_layers: Vec<LayerState> = Vec::with_capacity(model.plan.len());
     let mut topk_gap = Vec::new();
@@ -545,6 +584,27 @@ pub fn prefill_with<B: Backend>(
     }
     state.tokens = base + n;
     Ok(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace })
+}
+
+/// [`Model::embed_rows`] over blocks of tokens on the rayon pool (a long prompt's rows are
+/// gigabytes of bf16 → f32 conversion); the same values, in order.
+fn embed_parallel<B: Backend>(model: &Model<B>, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+    use rayon::prelude::*;
+    const BLOCK: usize = 1024;
+    if ids.len() <= BLOCK {
+        return model.embed_rows(ids);
+    }
+    let (h, vocab) = (model.dims.hidden, model.dims.vocab);
+    if let Some((pos, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        bail!("token id {id} at position {pos} is outside the vocabulary (size {vocab})");
+    }
+    let mut out = vec![0f32; ids.len() * h];
+    out.par_chunks_mut(BLOCK * h).zip(ids.par_chunks(BLOCK)).enumerate().try_for_each(|(i, (dst, blk))| -> anyhow::Result<()> {
+        let rows = model.embed_rows(blk).with_context(|| format!("embedding tokens {}..{}", i * BLOCK, i * BLOCK + blk.len()))?;
+        dst.copy_from_slice(&rows);
+        Ok(())
+    })?;
+    Ok(out)
 }
 
 /// One decode step: feeds `token` at position `state.tokens` (recurrent KDA, absorbed MLA) and

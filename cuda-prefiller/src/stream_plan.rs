@@ -265,6 +265,11 @@ impl StreamPlan {
     }
 
     /// Device bytes of all four (or two) slots.
+    /// Bytes one prompt moves (every unit once).
+    pub fn prompt_bytes(&self) -> usize {
+        (0..self.units.len()).map(|u| self.unit_bytes(u)).sum()
+    }
+
     pub fn slot_bytes(&self) -> usize {
         2 * self.dense_slot + 2 * self.expert_slot
     }
@@ -303,7 +308,7 @@ impl StreamPlan {
             }
             Unit::Experts { lo, hi, .. } => experts(lo, hi, 0, &mut parts),
         }
-        Ok(parts)
+        Ok(coalesce(parts))
     }
 
     /// One line for logs.
@@ -323,4 +328,32 @@ impl StreamPlan {
             )
         }
     }
+}
+
+/// Merges consecutive parts that are contiguous both in the source and in the slot (a run of
+/// experts laid out in checkpoint order is then one copy, not six per expert); the merged part is
+/// named by its first and last tensor.
+pub fn coalesce(parts: Vec<Part>) -> Vec<Part> {
+    let mut out: Vec<Part> = Vec::with_capacity(parts.len());
+    let mut last_name = String::new();
+    let mut merged = 0usize;
+    for p in parts {
+        if let Some(q) = out.last_mut() {
+            if q.src == p.src && q.offset + q.len as u64 == p.offset && q.dst + q.len == p.dst {
+                q.len += p.len;
+                last_name = p.name;
+                merged += 1;
+                continue;
+            }
+            if merged > 0 {
+                q.name = format!("{} … {last_name} ({} tensors)", q.name, merged + 1);
+            }
+        }
+        merged = 0;
+        out.push(p);
+    }
+    if let (Some(q), true) = (out.last_mut(), merged > 0) {
+        q.name = format!("{} … {last_name} ({} tensors)", q.name, merged + 1);
+    }
+    out
 }

@@ -285,6 +285,12 @@ pub fn read_rate(gpu: &Arc<Gpu>, source: &dyn WeightSource, ck: &Checkpoint, rea
     Ok((jobs.len() * piece) as f64 / 1e9 / t0.elapsed().as_secs_f64())
 }
 
+/// Largest single host-to-device copy the streamer issues. On the H200 this did not let the
+/// compute stream's own small uploads (state, routing ids) overtake a queued layer: the H2D
+/// engine ran them after every piece submitted before them (docs/cuda.md, run 3); a window of
+/// pieces in flight is the next step.
+pub const COPY_PIECE: usize = 64 << 20;
+
 /// Timing of one [`WeightStreamer::upload`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UploadStats {
@@ -336,9 +342,12 @@ impl WeightStreamer {
         if parts.iter().all(|p| src.pinned(p.src, p.offset, p.len).is_some()) {
             for p in parts {
                 let ptr = src.pinned(p.src, p.offset, p.len).expect("checked above");
-                // SAFETY: `pinned` vouches for a page-locked range; the source keeps it alive and
-                // unchanged for the streamer's lifetime.
-                unsafe { self.gpu.htod_async_raw(dst + p.dst as u64, ptr, p.len, copy)? };
+                for o in (0..p.len).step_by(COPY_PIECE) {
+                    let n = COPY_PIECE.min(p.len - o);
+                    // SAFETY: `pinned` vouches for a page-locked range; the source keeps it alive
+                    // and unchanged for the streamer's lifetime.
+                    unsafe { self.gpu.htod_async_raw(dst + (p.dst + o) as u64, ptr.add(o), n, copy)? };
+                }
                 stats.bytes += p.len;
             }
             let done = self.gpu.event()?;
@@ -418,7 +427,10 @@ impl WeightStreamer {
             // DMA each piece to its destination
             let mut soff = 0;
             for &(_, off, len, d, _, ro, rl) in &pieces[i..j] {
-                self.staging[slot].copy_to_device(soff + (off - ro) as usize, len, dst + d as u64, copy)?;
+                let at = soff + (off - ro) as usize;
+                for o in (0..len).step_by(COPY_PIECE) {
+                    self.staging[slot].copy_to_device(at + o, COPY_PIECE.min(len - o), dst + (d + o) as u64, copy)?;
+                }
                 soff += rl;
                 stats.bytes += len;
             }
@@ -457,12 +469,11 @@ impl Default for StreamOptions {
     }
 }
 
-/// Reader threads when none are given: half the cores, 2 to 8 (the executor thread issuing the
-/// GPU work must not lose its core to the readers: with one reader per core the layers' GPU
-/// time grew with the host-side issue delays).
+/// Reader threads when none are given: the cores less two (the executor thread issuing the GPU
+/// work and the prefetch thread keep a core each), 2 to 16.
 pub fn default_readers() -> usize {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
-    (threads / 2).clamp(2, 8)
+    threads.saturating_sub(2).clamp(2, 16)
 }
 
 impl StreamOptions {
@@ -523,6 +534,10 @@ pub struct StreamedWeights {
     pub weights_from: WeightsFrom,
     /// The output head, loaded once (not per prompt).
     head: Arc<crate::model::HeadWeights<crate::cuda::CudaBackend>>,
+    /// The BF16 embedding table on the device (`[vocab, hidden]`), loaded once: each prompt's
+    /// rows are gathered there instead of converted and uploaded by the host. `None` for an
+    /// f32 table (the host path).
+    embed_table: Option<crate::cuda::DevMem>,
     /// `[ring][slot]` device addresses (ring 0: dense / whole layers, ring 1: expert chunks).
     slot_ptr: [[CUdeviceptr; 2]; 2],
     _slots: Vec<crate::cuda::DevMem>,
@@ -571,6 +586,14 @@ impl StreamedWeights {
             WeightsFrom::Direct => Arc::new(DirectShards::open(&model.ck)?),
         };
         let head = model.head()?;
+        let embed_table = {
+            let name = format!("{}model.embed_tokens.weight", k3_protocol::tensors::TEXT_PREFIX);
+            let v = model.ck.tensor(&name)?;
+            match v.dtype {
+                k3_protocol::tensors::DType::BF16 => Some(model.backend.upload_bytes(v.bytes).with_context(|| format!("uploading {name}"))?),
+                _ => None,
+            }
+        };
         tracing::info!(plan = %plan.describe(), stage_mib = stage >> 20, readers = opts.readers, from = opts.weights_from.name(), "weight streamer ready");
         Ok(StreamedWeights {
             gpu,
@@ -578,6 +601,7 @@ impl StreamedWeights {
             source,
             weights_from: opts.weights_from,
             head,
+            embed_table,
             slot_ptr,
             _slots: slots,
             streamer: std::sync::Mutex::new(Some(streamer)),
@@ -586,6 +610,21 @@ impl StreamedWeights {
 
     pub fn plan(&self) -> &crate::stream_plan::StreamPlan {
         &self.plan
+    }
+
+    /// Moves every unit of a prompt with no compute in between (each slot is released as soon
+    /// as its copies are issued): the feed's own time for one prompt's weights, seconds.
+    pub fn transfer_alone(&self) -> Result<f64> {
+        self.gpu.sync()?;
+        let t0 = Instant::now();
+        let mut feed = self.feed()?;
+        for u in 0..self.plan.units.len() {
+            let (got, _) = feed.take_unit(|_| true, "transfer alone")?;
+            ensure!(got == u, "weight streamer: unit {got} arrived, {u} expected");
+            feed.release(u)?;
+        }
+        feed.stop()?;
+        Ok(t0.elapsed().as_secs_f64())
     }
 
     /// The weight feed of one prompt; starts copying layer 0 at once. One prompt at a time.
@@ -859,6 +898,20 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
         let rows: Vec<usize> = inputs.iter().map(|(x, _)| crate::backend::DeviceBuf::rows(*x)).collect();
         b.moe_split(b.moe_combine(&plan, layout.latent)?, &rows)
+    }
+
+    fn embed(&mut self, model: &crate::model::Model<crate::cuda::CudaBackend>, ids: &[u32]) -> Result<Option<crate::cuda::backend::CudaBuf>> {
+        let Some(table) = &self.sw.embed_table else { return Ok(None) };
+        let b = &*model.backend;
+        let (h, vocab) = (model.dims.hidden, model.dims.vocab);
+        ensure!(table.bytes == vocab * h * 2, "embedding table of {} bytes for [{vocab}, {h}] bf16", table.bytes);
+        crate::cuda::profile::begin(&b.gpu, "embedding gather")?;
+        let idx: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        ensure!(idx.iter().all(|&i| i >= 0 && (i as usize) < vocab), "embedding: a token id is outside the vocabulary (size {vocab})");
+        let ids_d = b.upload_bytes(bytemuck::cast_slice(&idx))?;
+        let out = b.empty(ids.len(), h)?;
+        crate::cuda::kernels::embed_rows(&b.gpu, table.ptr, ids_d.ptr, out.ptr(), ids.len(), h)?;
+        Ok(Some(out))
     }
 
     fn head(&mut self, _model: &crate::model::Model<crate::cuda::CudaBackend>) -> Result<Arc<crate::model::HeadWeights<crate::cuda::CudaBackend>>> {

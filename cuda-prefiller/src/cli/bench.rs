@@ -251,6 +251,11 @@ struct ModelRow {
     h2d_gbs: f64,
     /// `h2d_gbs` / the source's measured limit.
     of_source_limit: f64,
+    /// Wall time outside the layers' GPU spans (embedding, uploads, host waits between layers,
+    /// output head).
+    outside_s: f64,
+    /// seconds / max(transfer alone, Σ GPU compute): how well the weight feed hides behind compute.
+    overlap_ratio: f64,
     /// max(weight bytes / pinned H2D, FLOPs / BF16 GEMM rate), both measured in this run.
     roofline_s: f64,
     of_roofline: f64,
@@ -295,6 +300,15 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
     let warm = args.tokens.iter().copied().min().unwrap_or(256).min(16384);
     let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
     crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids_of(warm)), &opts, |_| Ok(()))?;
+    // the weight feed alone (no compute), for the overlap ratio
+    let transfer_alone = match &sw {
+        Some(sw) => {
+            let t = sw.transfer_alone()?;
+            eprintln!("transfer alone: {:.3} s for {:.2} GB ({:.1} GB/s)", t, sw.plan().prompt_bytes() as f64 / 1e9, sw.plan().prompt_bytes() as f64 / 1e9 / t);
+            Some(t)
+        }
+        None => None,
+    };
     // K3's layer plan, for the projection
     let k3_plan = k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
         .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
@@ -346,6 +360,8 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             let span = |l: &crate::streamer::LayerStreamTime| (l.compute_ms + l.wait_ms) / 1e3;
             let inside: f64 = st.layers.iter().map(span).sum();
             let outside = (s - inside).max(0.0);
+            row.outside_s = outside;
+            row.overlap_ratio = s / transfer_alone.unwrap_or(0.0).max(st.compute_s);
             let kind = |sp: &LayerSpec| (sp.attn, sp.ffn);
             let (mut p_s, mut p_bytes, mut p_fl, mut missing) = (outside, 0.0, 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64, Vec::new());
             for ks in &k3_specs {
@@ -410,12 +426,12 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         );
     }
     println!(
-        "\n{:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8}",
-        "backend", "tokens", "seconds", "tokens/s", "TFLOP", "weight GB", "H2D GB/s", "of src", "compute s", "wait s", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s", "93L roof"
+        "\n{:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>9} {:>8}",
+        "backend", "tokens", "seconds", "tokens/s", "TFLOP", "weight GB", "H2D GB/s", "of src", "compute s", "wait s", "outside s", "o/max", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s", "93L roof"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>8} {:>9.3} {:>10.1} {:>8.1} {:>9.2} {:>9.1} {:>8.1}% {:>9.3} {:>9.3} {:>9.3} {:>8.1}% {:>10.1} {:>9.0} {:>7.1}%",
+            "{:>8} {:>8} {:>9.3} {:>10.1} {:>8.1} {:>9.2} {:>9.1} {:>8.1}% {:>9.3} {:>9.3} {:>9.3} {:>7.3} {:>9.3} {:>8.1}% {:>10.1} {:>9.0} {:>7.1}%",
             r.backend,
             r.tokens,
             r.seconds,
@@ -426,6 +442,8 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             100.0 * r.of_source_limit,
             r.compute_s,
             r.wait_s,
+            r.outside_s,
+            r.overlap_ratio,
             r.roofline_s,
             100.0 * r.of_roofline,
             r.k3_93_layers_s,

@@ -125,9 +125,11 @@ impl ExpertLayout {
             off = align(off + n, 16);
             o
         };
+        // checkpoint order (w1, w2, w3; each packed then scale), so that a run of experts is one
+        // contiguous range in both the shard and the slot arena (one copy instead of six per expert)
         let w1 = k::MatOff { packed: next(up), scale: next(us) };
-        let w3 = k::MatOff { packed: next(up), scale: next(us) };
         let w2 = k::MatOff { packed: next(up), scale: next(us) };
+        let w3 = k::MatOff { packed: next(up), scale: next(us) };
         Ok(ExpertLayout { inter, latent, w1, w3, w2, stride: align(off, 256) })
     }
 
@@ -138,10 +140,10 @@ impl ExpertLayout {
         [
             ("w1", "weight_packed", self.w1.packed, up),
             ("w1", "weight_scale", self.w1.scale, us),
-            ("w3", "weight_packed", self.w3.packed, up),
-            ("w3", "weight_scale", self.w3.scale, us),
             ("w2", "weight_packed", self.w2.packed, up),
             ("w2", "weight_scale", self.w2.scale, us),
+            ("w3", "weight_packed", self.w3.packed, up),
+            ("w3", "weight_scale", self.w3.scale, us),
         ]
     }
 
