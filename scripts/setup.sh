@@ -11,7 +11,10 @@
 #      GitHub fetch, no Apple frameworks, GCC 12 fixes).
 #   5. .cargo/config.toml (git-ignored) gets `[patch.crates-io] mlx-sys = { path = ".deps/mlx-sys" }`
 #      and MLX_PREFIX under [env], so plain `cargo build` works without sourcing anything.
-#   6. .deps/env.sh exports MLX_PREFIX and LD_LIBRARY_PATH (scripts/test.sh sources it).
+#   6. pip installs the Python client libraries the server tests drive `k3-decode serve` with
+#      (the official `openai` and `anthropic` SDKs, pinned) into .deps/pyclients.
+#   7. .deps/env.sh exports MLX_PREFIX, LD_LIBRARY_PATH and K3_PY_CLIENTS (scripts/test.sh
+#      sources it; the client tests put K3_PY_CLIENTS on PYTHONPATH).
 # macOS: nothing to do; the published mlx-rs builds MLX with Metal, unpatched (see docs/decoder.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -128,10 +131,22 @@ if [[ ! -f "$CONFIG" || "$(cat "$CONFIG")" != "$NEW_CONFIG" ]]; then
     printf '%s\n' "$NEW_CONFIG" > "$CONFIG"
 fi
 
-# --- 6. environment for scripts --------------------------------------------------------------
+# --- 6. Python clients for the server tests ----------------------------------------------------
+PY_CLIENTS="$DEPS/pyclients"
+PY_CLIENTS_SPEC="openai==3.57.0 anthropic==2.14.0"
+if [[ ! -f "$PY_CLIENTS/.spec" || "$(cat "$PY_CLIENTS/.spec")" != "$PY_CLIENTS_SPEC" ]]; then
+    log "installing $PY_CLIENTS_SPEC into $PY_CLIENTS"
+    rm -rf "$PY_CLIENTS"
+    # shellcheck disable=SC2086
+    python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --target "$PY_CLIENTS" $PY_CLIENTS_SPEC
+    echo "$PY_CLIENTS_SPEC" > "$PY_CLIENTS/.spec"
+fi
+
+# --- 7. environment for scripts --------------------------------------------------------------
 cat > "$DEPS/env.sh" <<EOF
 # Written by scripts/setup.sh.
 export MLX_PREFIX="$MLX_PREFIX"
 export LD_LIBRARY_PATH="$MLX_PREFIX/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export K3_PY_CLIENTS="$PY_CLIENTS"
 EOF
 log "ready (MLX_PREFIX=$MLX_PREFIX)"

@@ -16,7 +16,7 @@
 //! the engine on a dedicated thread and talks to it over channels).
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use k3_protocol::config::{K3Config, TextConfig};
@@ -28,7 +28,7 @@ use crate::ingest::{self, IngestedSession};
 use crate::mlx::{array_f32, array_i32, to_vec_f32};
 use crate::model::weights::WeightLoader;
 use crate::model::{K3Text, KdaMode, ModelCache};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::generate::TokenStep;
 
 /// dtype of the weights and of the activations between the model's FP32 islands (KDA
 /// recurrence, gates, router, AttnRes, MoE sum, MLA attention, caches: always f32).
@@ -96,44 +96,7 @@ impl Session {
     }
 }
 
-/// What to generate.
-#[derive(Debug, Clone)]
-pub struct GenerateParams {
-    pub max_new_tokens: usize,
-    pub sampling: SamplingParams,
-    /// Generation ends after emitting one of these (it is emitted and fed).
-    pub stop_tokens: Vec<u32>,
-}
-
-impl GenerateParams {
-    pub fn greedy(max_new_tokens: usize) -> Self {
-        GenerateParams { max_new_tokens, sampling: SamplingParams::greedy(), stop_tokens: Vec::new() }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// `max_new_tokens` reached.
-    Length,
-    /// A stop token was emitted.
-    Stop,
-    /// `on_token` returned false.
-    Cancelled,
-}
-
-#[derive(Debug, Clone)]
-pub struct GenerateOutput {
-    pub tokens: Vec<u32>,
-    pub finish: FinishReason,
-    /// Time spent in decode steps (sampling included).
-    pub decode_time: Duration,
-}
-
-impl GenerateOutput {
-    pub fn tokens_per_second(&self) -> f64 {
-        self.tokens.len() as f64 / self.decode_time.as_secs_f64().max(1e-9)
-    }
-}
+pub use crate::generate::{FinishReason, GenerateOutput, GenerateParams};
 
 /// A loaded K3 model.
 pub struct Engine {
@@ -350,6 +313,12 @@ impl Engine {
     /// Feeds one token (recurrent KDA, absorbed MLA over the latent cache) and returns the
     /// logits predicting the next one.
     pub fn step(&self, s: &mut Session, token: u32) -> Result<Vec<f32>> {
+        self.advance(s, token)?;
+        Ok(s.last_logits.clone().expect("set by advance"))
+    }
+
+    /// [`Self::step`] keeping the logits in the session only.
+    fn advance(&self, s: &mut Session, token: u32) -> Result<()> {
         let ids = self.check_ids(&[token])?;
         let x = self.model.embed(&array_i32(&ids, &[1], "token")?)?;
         let hidden = self.model.forward(&x, &mut s.cache, KdaMode::Recurrent)?;
@@ -357,45 +326,31 @@ impl Engine {
         let mut to_eval = s.cache.arrays();
         to_eval.push(&logits);
         mlx_rs::transforms::eval(to_eval)?;
-        let v = to_vec_f32(&logits)?;
-        s.last_logits = Some(v.clone());
-        Ok(v)
+        s.last_logits = Some(to_vec_f32(&logits)?);
+        Ok(())
     }
 
-    /// The decode loop: samples from the session's last logits, reports each token to
-    /// `on_token` (return false to stop), feeds it, until `max_new_tokens` or a stop token.
-    /// Every emitted token is fed, so the session afterwards holds prompt + output.
-    pub fn generate(
-        &self,
-        s: &mut Session,
-        params: &GenerateParams,
-        mut on_token: impl FnMut(u32) -> bool,
-    ) -> Result<GenerateOutput> {
-        let mut sampler = Sampler::new(params.sampling.clone()).map_err(|e| anyhow!("sampling parameters: {e}"))?;
-        let mut logits = s
-            .last_logits
-            .clone()
-            .ok_or_else(|| anyhow!("the session has no logits to sample from: prefill or ingest (with logits) first"))?;
-        let t0 = Instant::now();
-        let mut tokens = Vec::with_capacity(params.max_new_tokens);
-        let mut finish = FinishReason::Length;
-        while tokens.len() < params.max_new_tokens {
-            let tok = sampler.sample(&logits).map_err(|e| anyhow!("sampling: {e}"))?;
-            tokens.push(tok);
-            let go_on = on_token(tok);
-            logits = self.step(s, tok)?;
-            if params.stop_tokens.contains(&tok) {
-                finish = FinishReason::Stop;
-                break;
-            }
-            if !go_on {
-                finish = FinishReason::Cancelled;
-                break;
-            }
-        }
-        let out = GenerateOutput { tokens, finish, decode_time: t0.elapsed() };
-        tracing::debug!(tokens = out.tokens.len(), tok_per_s = out.tokens_per_second(), ?finish, "decode");
-        Ok(out)
+    /// The decode loop ([`crate::generate::generate`]) on one session: samples from its last
+    /// logits, reports each token to `on_token` (return false to stop), feeds it, until
+    /// `max_new_tokens` or a stop token. Every emitted token is fed, so the session afterwards
+    /// holds prompt + output.
+    pub fn generate(&self, s: &mut Session, params: &GenerateParams, on_token: impl FnMut(u32) -> bool) -> Result<GenerateOutput> {
+        crate::generate::generate(&mut Stepping { engine: self, session: s }, params, on_token)
+    }
+}
+
+/// A session of an engine, as the decode loop drives it.
+struct Stepping<'a> {
+    engine: &'a Engine,
+    session: &'a mut Session,
+}
+
+impl TokenStep for Stepping<'_> {
+    fn next_logits(&self) -> Option<&[f32]> {
+        self.session.last_logits()
+    }
+    fn feed(&mut self, token: u32) -> Result<()> {
+        self.engine.advance(self.session, token)
     }
 }
 

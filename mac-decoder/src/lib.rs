@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod cli;
+pub mod generate;
 pub mod sampler;
 pub mod server;
 #[cfg(feature = "mlx")]

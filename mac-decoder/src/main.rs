@@ -18,6 +18,10 @@ enum Cmd {
     EncodeImage(cli::encode_image::Args),
     /// OpenAI-compatible HTTP server.
     Serve(cli::serve::Args),
+    /// Print the prompt (text, segments, ids) of an OpenAI chat request as the server renders it.
+    Render(cli::render::RenderArgs),
+    /// Print how the server reads generated ids after a request's prompt.
+    Parse(cli::render::ParseArgs),
 }
 
 fn main() {
@@ -26,6 +30,8 @@ fn main() {
         Cmd::Generate(a) => cli::generate::run(a),
         Cmd::EncodeImage(a) => cli::encode_image::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
+        Cmd::Render(a) => cli::render::run_render(a),
+        Cmd::Parse(a) => cli::render::run_parse(a),
     };
     k3_protocol::process::exit_on_error("k3-decode", res);
 }

@@ -40,6 +40,16 @@ impl SamplingParams {
     }
 }
 
+/// A restriction of the next token (constrained decoding): a grammar that says which tokens may
+/// come next and follows the tokens chosen.
+pub trait TokenConstraint {
+    /// Sets the logits of every token the constraint does not allow next to `-inf`. Errors when
+    /// it allows none (or the constraint is broken).
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    /// Records the token chosen (one the last mask allowed).
+    fn commit(&mut self, token: u32) -> Result<(), String>;
+}
+
 /// A seeded sampler.
 pub struct Sampler {
     params: SamplingParams,
@@ -69,6 +79,20 @@ impl Sampler {
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Picks the next token id from one logits row restricted by `constraint` (masked in
+    /// `scratch`, a reusable buffer), and commits it to the constraint.
+    pub fn sample_constrained(&mut self, logits: &[f32], constraint: &mut dyn TokenConstraint, scratch: &mut Vec<f32>) -> Result<u32, String> {
+        scratch.clear();
+        scratch.extend_from_slice(logits);
+        constraint.mask(scratch)?;
+        if scratch.iter().all(|x| *x == f32::NEG_INFINITY) {
+            return Err("the constraint allows no token".into());
+        }
+        let tok = self.sample(scratch)?;
+        constraint.commit(tok)?;
+        Ok(tok)
     }
 
     /// Picks the next token id from one logits row.

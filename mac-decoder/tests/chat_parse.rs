@@ -199,3 +199,50 @@ fn non_string_argument_that_is_not_json_stays_a_string() {
     assert_eq!(p.output().tool_calls[0].arguments, r#"{"n": 12, "s": "  raw \"text\"\n"}"#);
     assert_eq!(p.output().finish_reason, Some(FinishReason::ToolCalls));
 }
+
+#[test]
+fn think_block_opening_in_the_response_is_reasoning_not_content() {
+    let tok = tok();
+    let ids = out_ids(
+        &tok,
+        &[
+            ("r1", false),
+            ("<|close|>think<|sep|><|open|>response<|sep|>", true),
+            ("c1 ", false),
+            ("<|open|>think<|sep|>", true),
+            ("more thought", false),
+            ("<|close|>think<|sep|>", true),
+            ("c2", false),
+            ("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>", true),
+        ],
+    );
+    let (p, _) = run(&tok, &ids, true);
+    assert_eq!((p.output().reasoning.as_str(), p.output().content.as_str()), ("r1more thought", "c1 c2"));
+}
+
+#[test]
+fn unterminated_marker_at_the_end_keeps_its_text() {
+    let tok = tok();
+    let ids = out_ids(&tok, &[("<|close|>think<|sep|><|open|>response<|sep|>", true), ("a ", false), ("<|open|>", true), ("tail", false)]);
+    let (mut p, _) = run(&tok, &ids, true);
+    let ev = p.finish(FinishReason::Length);
+    assert_eq!(p.output().content, "a tail");
+    assert!(ev.contains(&OutputEvent::Content("tail".into())), "{ev:?}");
+}
+
+#[test]
+fn tool_calls_are_dropped_when_the_request_allows_none() {
+    let tok = tok();
+    let assistant = r#"{"role":"assistant","reasoning_content":"r","content":"Let me look.","tool_calls":[
+        {"id":"x","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]}"#;
+    let ids = generated_ids_for(&tok, assistant, true);
+    let mut p = OutputParser::new(tok.clone(), true, "call_t").unwrap().without_tool_calls();
+    let mut ev = Vec::new();
+    for &id in &ids {
+        ev.extend(p.push(id));
+    }
+    assert!(p.output().tool_calls.is_empty());
+    assert!(!ev.iter().any(|e| matches!(e, OutputEvent::ToolCall(_))));
+    assert_eq!(p.output().finish_reason, Some(FinishReason::Stop));
+    assert_eq!(p.output().content, "Let me look.");
+}

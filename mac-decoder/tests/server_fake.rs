@@ -265,6 +265,37 @@ async fn tool_call_round_trip() {
     assert_eq!(call_deltas[0][0]["function"]["name"], "get_weather");
     assert_eq!(call_deltas[0][0]["index"], 0);
     assert!(events.iter().any(|e| e["choices"][0]["finish_reason"] == "tool_calls"));
+
+    // The same reply under tool_choice "none", and to a request declaring no tools: the call the
+    // model writes is dropped (vLLM, SGLang), the response channel stays, the finish is "stop".
+    for body in [
+        json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": tools, "tool_choice": "none"}),
+        json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}]}),
+        json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tool_choice": "none"}),
+    ] {
+        let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        let c = &v["choices"][0];
+        assert!(c["message"].get("tool_calls").is_none(), "{body} -> {v}");
+        assert_eq!(c["finish_reason"], "stop", "{body} -> {v}");
+        assert_eq!(c["message"]["content"], "Checking.");
+        let mut b = body.clone();
+        b["stream"] = json!(true);
+        let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.base)).json(&b).send().await.unwrap();
+        let events = sse_events(&r.text().await.unwrap());
+        assert!(events.iter().all(|e| e["choices"][0]["delta"].get("tool_calls").is_none()), "{b}");
+        assert!(events.iter().any(|e| e["choices"][0]["finish_reason"] == "stop"), "{b}");
+    }
+    // A named tool_choice is accepted (a declared tool).
+    let (st, v) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": tools,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_weather");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -349,7 +380,8 @@ async fn bad_requests_get_openai_errors() {
         (json!({"prompt": "hi"}), 400, "messages"),
         (json!({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "role"),
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "image"),
-        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400, "tool_choice"),
+        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "tool_choice"),
+        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}), 400, "tool_choice"),
         (json!({"messages": user("hi"), "reasoning_effort": "extreme"}), 400, "reasoning_effort"),
         (json!({"messages": [{"role": "tool", "content": "orphan result"}]}), 400, "tool"),
         (json!({"messages": user("hi"), "response_format": {"type": "xml"}}), 400, "response_format"),

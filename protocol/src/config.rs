@@ -107,6 +107,38 @@ pub struct LinearAttnConfig {
     pub gate_lower_bound: Option<f32>,
 }
 
+/// Serializes a free-form JSON value with its object keys sorted at every depth, whether or not
+/// serde_json's `preserve_order` feature is on (a crate of the build can turn it on for all:
+/// llguidance does): the model fingerprint hashes this text, and both nodes must agree on it.
+fn sorted_json<S: serde::Serializer>(v: &Option<serde_json::Value>, s: S) -> Result<S::Ok, S::Error> {
+    struct Sorted<'a>(&'a serde_json::Value);
+    impl Serialize for Sorted<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::{SerializeMap, SerializeSeq};
+            match self.0 {
+                serde_json::Value::Object(m) => {
+                    let mut e: Vec<_> = m.iter().collect();
+                    e.sort_by(|a, b| a.0.cmp(b.0));
+                    let mut map = s.serialize_map(Some(e.len()))?;
+                    for (k, v) in e {
+                        map.serialize_entry(k, &Sorted(v))?;
+                    }
+                    map.end()
+                }
+                serde_json::Value::Array(a) => {
+                    let mut seq = s.serialize_seq(Some(a.len()))?;
+                    for v in a {
+                        seq.serialize_element(&Sorted(v))?;
+                    }
+                    seq.end()
+                }
+                other => other.serialize(s),
+            }
+        }
+    }
+    v.as_ref().map(Sorted).serialize(s)
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct QuantizationConfig {
     pub quant_method: String,
@@ -116,9 +148,9 @@ pub struct QuantizationConfig {
     pub ignore: Vec<String>,
     #[serde(default)]
     pub quantization_status: Option<String>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub kv_cache_scheme: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub global_compression_ratio: Option<serde_json::Value>,
 }
 
@@ -129,9 +161,9 @@ pub struct QuantGroup {
     #[serde(default)]
     pub targets: Vec<String>,
     pub weights: QuantWeights,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub input_activations: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub output_activations: Option<serde_json::Value>,
 }
 
@@ -149,13 +181,13 @@ pub struct QuantWeights {
     pub dynamic: bool,
     #[serde(default)]
     pub observer: Option<String>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub actorder: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub block_structure: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub observer_kwargs: Option<serde_json::Value>,
-    #[serde(default)]
+    #[serde(default, serialize_with = "sorted_json")]
     pub zp_dtype: Option<serde_json::Value>,
 }
 

@@ -60,6 +60,8 @@ pub struct ParsedOutput {
     pub content: String,
     pub tool_calls: Vec<ToolCall>,
     pub finish_reason: Option<FinishReason>,
+    /// Generated ids that belong to the reasoning (the think channel and its close marker).
+    pub reasoning_tokens: usize,
 }
 
 /// The ids of the markup tokens.
@@ -128,6 +130,9 @@ pub struct OutputParser {
     content: Utf8Stream,
     call: Option<PartialCall>,
     call_id_prefix: String,
+    /// Whether tool calls are returned (`false`: the request declared no tools, or said
+    /// `tool_choice: "none"`; calls the model writes anyway are dropped, as vLLM and SGLang do).
+    tool_calls: bool,
     out: ParsedOutput,
 }
 
@@ -145,8 +150,16 @@ impl OutputParser {
             content: Utf8Stream::new(),
             call: None,
             call_id_prefix: call_id_prefix.into(),
+            tool_calls: true,
             out: ParsedOutput::default(),
         })
+    }
+
+    /// Drops tool calls instead of returning them (a request without tools, or with
+    /// `tool_choice: "none"`); the finish reason is then never `tool_calls`.
+    pub fn without_tool_calls(mut self) -> Self {
+        self.tool_calls = false;
+        self
     }
 
     pub fn marker_ids(&self) -> MarkerIds {
@@ -172,6 +185,9 @@ impl OutputParser {
         let mut ev = Vec::new();
         if self.is_finished() {
             return ev;
+        }
+        if self.state == State::Think {
+            self.out.reasoning_tokens += 1;
         }
         if id == self.ids.end_of_msg || Some(id) == self.ids.eos {
             self.end_header(&mut ev);
@@ -215,7 +231,10 @@ impl OutputParser {
         if self.is_finished() {
             return ev;
         }
-        self.header = None;
+        // A marker header the stream ended in (no `S`): its text stays in the current channel.
+        if let Some((_, bytes)) = self.header.take() {
+            self.text(&bytes, &mut ev);
+        }
         self.finish_into(reason, &mut ev);
         ev
     }
@@ -288,6 +307,14 @@ impl OutputParser {
         let tag_end = text.find(char::is_whitespace).unwrap_or(text.len());
         let (tag, attrs) = (&text[..tag_end], &text[tag_end..]);
         match (is_open, tag) {
+            // A think block opening after the reasoning (inside or after the response channel):
+            // its text is reasoning, not content; the response resumes after `C think S`.
+            (true, "think") => {
+                self.flush_content(ev);
+                if matches!(self.state, State::Response | State::ResponsePending | State::AfterResponse) {
+                    self.state = State::Think;
+                }
+            }
             (false, "think") => {
                 self.flush_reasoning(ev);
                 if self.state == State::Think {
@@ -377,6 +404,10 @@ impl OutputParser {
             tracing::warn!("tool call without a `tool` attribute; dropped");
             return;
         };
+        if !self.tool_calls {
+            tracing::info!(tool = %name, "the model called a tool although the request allows none; dropped");
+            return;
+        }
         let arguments = match call.json_text {
             Some(raw) => match Json::parse(&raw) {
                 Ok(v @ Json::Object(_)) => v.dumps_py(),

@@ -321,7 +321,7 @@ fn set_key(e: &mut Vec<(String, Json)>, key: &str, v: Json) {
 
 /// The JSON schema of a `response_format` (`json_schema.schema`, else
 /// `json_schema.json_schema`, else the `json_schema` object itself).
-fn response_schema(rf: &Json) -> Option<&Json> {
+pub fn response_schema(rf: &Json) -> Option<&Json> {
     let js = rf.get("json_schema").filter(|v| !v.is_null())?;
     if let Json::Object(_) = js {
         return Some(js.get("schema").or_else(|| js.get("json_schema")).unwrap_or(js));

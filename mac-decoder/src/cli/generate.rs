@@ -1,6 +1,12 @@
 //! `k3-decode generate`: decode tokens after a local prefill of `--input-ids`, or from a hand-off
 //! state (`--state SESSION.safetensors`), or both (the ids continue the state). Prints (and with
 //! `--out` writes) `{"tokens": [...]}`; speed goes to the log.
+//!
+//! With `--prefill-node` and/or `--next-turn` it runs a conversation of one or more turns
+//! ([`crate::remote::run_turn`]), each prompt routed to the prefill node or prefilled locally,
+//! the timing table of every turn on stderr; stdout (and `--out`) carry the last turn's tokens,
+//! plus `"turns": [[...], ...]` when there is more than one turn. Both forms load the model the
+//! same way (`--bf16`, `--prefill-chunk`) and decode with the same loop ([`crate::generate`]).
 
 use std::path::PathBuf;
 
@@ -58,13 +64,13 @@ pub struct Args {
 
 #[cfg(feature = "mlx")]
 impl Args {
-    /// The sampling flags as [`crate::decode::GenerateParams`]; `eos` joins the stop tokens with `--stop-at-eos`.
-    pub fn generate_params(&self, eos: u32) -> crate::decode::GenerateParams {
+    /// The sampling flags as [`crate::generate::GenerateParams`]; `eos` joins the stop tokens with `--stop-at-eos`.
+    pub fn generate_params(&self, eos: u32) -> crate::generate::GenerateParams {
         let mut stop_tokens = self.stop.clone();
         if self.stop_at_eos {
             stop_tokens.push(eos);
         }
-        crate::decode::GenerateParams {
+        crate::generate::GenerateParams {
             max_new_tokens: self.max_new_tokens,
             sampling: crate::sampler::SamplingParams {
                 greedy: self.greedy,
@@ -74,6 +80,7 @@ impl Args {
                 seed: self.seed,
             },
             stop_tokens,
+            logprobs: None,
         }
     }
 }
@@ -99,43 +106,114 @@ pub fn run(_args: Args) -> anyhow::Result<()> {
 
 #[cfg(feature = "mlx")]
 pub fn run(args: Args) -> anyhow::Result<()> {
+    use anyhow::{bail, Context};
+
     use crate::decode::{ComputeDtype, Engine, EngineOptions};
 
-    if args.node.prefill_node.is_some() || !args.next_turn.is_empty() {
-        return crate::remote::cli::run_generate(&args);
-    }
-    if args.input_ids.is_none() && args.state.is_none() {
-        anyhow::bail!("give --input-ids (local prefill), --state (hand-off state), or both");
-    }
-    let ids = args.input_ids.as_deref().map(read_ids).transpose()?;
+    let conversation = args.node.prefill_node.is_some() || !args.next_turn.is_empty();
+    // Read every input before the (slow) model load, so a wrong path fails at once.
+    let turns = if conversation {
+        if args.state.is_some() {
+            bail!("--state cannot be combined with --prefill-node or --next-turn (a conversation starts from its prompt ids)");
+        }
+        let first = args.input_ids.as_deref().context("--prefill-node and --next-turn need --input-ids (the first turn's prompt)")?;
+        let mut turns = vec![read_ids(first)?];
+        for p in &args.next_turn {
+            turns.push(read_ids(p)?);
+        }
+        if let Some((i, _)) = turns.iter().enumerate().find(|(_, t)| t.is_empty()) {
+            bail!("turn {} has no token ids", i + 1);
+        }
+        turns
+    } else {
+        if args.input_ids.is_none() && args.state.is_none() {
+            bail!("give --input-ids (local prefill), --state (hand-off state), or both");
+        }
+        args.input_ids.as_deref().map(read_ids).transpose()?.into_iter().collect()
+    };
     let engine = Engine::load_with_dtype(
         &args.model,
         EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) },
         if args.bf16 { ComputeDtype::Bf16 } else { ComputeDtype::F32 },
     )?;
-    let mut session = engine.new_session()?;
-    if let Some(state) = &args.state {
-        let info = engine.ingest_session_file(&mut session, state)?;
-        tracing::info!(tokens = info.tokens, path = %state.display(), "hand-off state ingested");
-    }
-    if let Some(ids) = &ids {
-        let t0 = std::time::Instant::now();
-        engine.prefill_local(&mut session, ids, None)?;
-        let secs = t0.elapsed().as_secs_f64();
-        tracing::info!(tokens = ids.len(), seconds = secs, tok_per_s = ids.len() as f64 / secs, "local prefill");
-    }
     let params = args.generate_params(engine.eos_token());
-    let out = engine.generate(&mut session, &params, |_| true)?;
-    tracing::info!(
-        tokens = out.tokens.len(),
-        tok_per_s = format!("{:.2}", out.tokens_per_second()),
-        finish = ?out.finish,
-        "decode"
-    );
-    let json = serde_json::json!({ "tokens": out.tokens });
+    let json = if conversation {
+        run_conversation(&args, &engine, &params, &turns)?
+    } else {
+        let mut session = engine.new_session()?;
+        if let Some(state) = &args.state {
+            let info = engine.ingest_session_file(&mut session, state)?;
+            tracing::info!(tokens = info.tokens, path = %state.display(), "hand-off state ingested");
+        }
+        if let Some(ids) = turns.first() {
+            let t0 = std::time::Instant::now();
+            engine.prefill_local(&mut session, ids, None)?;
+            let secs = t0.elapsed().as_secs_f64();
+            tracing::info!(tokens = ids.len(), seconds = secs, tok_per_s = ids.len() as f64 / secs, "local prefill");
+        }
+        let out = engine.generate(&mut session, &params, |_| true)?;
+        tracing::info!(
+            tokens = out.tokens.len(),
+            tok_per_s = format!("{:.2}", out.tokens_per_second()),
+            finish = ?out.finish,
+            "decode"
+        );
+        serde_json::json!({ "tokens": out.tokens })
+    };
     println!("{json}");
     if let Some(path) = &args.out {
-        std::fs::write(path, format!("{json}\n")).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        std::fs::write(path, format!("{json}\n")).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The turns of one conversation, routed through the prefill node when one is configured;
+/// prints the timing table and returns the JSON to print.
+#[cfg(feature = "mlx")]
+fn run_conversation(
+    args: &Args,
+    engine: &crate::decode::Engine,
+    params: &crate::generate::GenerateParams,
+    turns: &[Vec<u32>],
+) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+
+    use crate::remote::{format_table, run_turn, Conversation, RemotePrefiller};
+
+    let mut remote = match args.node.remote_options() {
+        Some(mut o) => {
+            o.retry_after = std::time::Duration::from_secs(30);
+            Some(RemotePrefiller::new(engine, o)?)
+        }
+        None => None,
+    };
+    let mut conv = Conversation::new(engine)?;
+    let mut outputs = Vec::new();
+    let mut timings = Vec::new();
+    for (i, prompt) in turns.iter().enumerate() {
+        let (out, t) =
+            run_turn(engine, &mut conv, remote.as_mut(), prompt, None, params, |_| true).with_context(|| format!("turn {}", i + 1))?;
+        tracing::info!(
+            turn = i + 1,
+            route = t.route.as_str(),
+            prompt = prompt.len(),
+            context = t.context_tokens,
+            generated = out.tokens.len(),
+            first_token_s = t.first_token_s.map(|v| format!("{v:.3}")).unwrap_or_default(),
+            "turn done"
+        );
+        outputs.push(out.tokens);
+        timings.push(t);
+    }
+    eprintln!("\n{}", format_table(&timings));
+    if let Some(path) = &args.timing_json {
+        let text = serde_json::to_string_pretty(&timings)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    let last = outputs.last().cloned().unwrap_or_default();
+    Ok(if outputs.len() == 1 {
+        serde_json::json!({ "tokens": last })
+    } else {
+        serde_json::json!({ "tokens": last, "turns": outputs })
+    })
 }

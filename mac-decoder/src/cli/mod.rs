@@ -3,4 +3,5 @@
 pub mod encode_image;
 pub mod generate;
 pub mod prefill_node;
+pub mod render;
 pub mod serve;

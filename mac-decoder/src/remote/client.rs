@@ -15,7 +15,8 @@ use k3_protocol::transport::{
 };
 use k3_protocol::wire::{ErrorCode, ImageEmbeddings, PrefillOptions, PrefillRequest, StateLayout};
 
-use crate::decode::{Engine, GenerateOutput, GenerateParams, ImageEmbeds};
+use crate::decode::{Engine, ImageEmbeds};
+use crate::generate::{GenerateOutput, GenerateParams};
 use crate::remote::conversation::{Conversation, RemotePlan};
 use crate::remote::staged::StagedDelta;
 use crate::remote::timing::{Route, TurnTiming};

@@ -17,7 +17,8 @@ use k3_protocol::wire::{BasePrefix, SessionId};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops;
 
-use crate::decode::{Engine, GenerateOutput, GenerateParams, ImageEmbeds, Session};
+use crate::decode::{Engine, ImageEmbeds, Session};
+use crate::generate::{GenerateOutput, GenerateParams};
 use crate::model::{LayerCache, MlaCache, ModelCache};
 use crate::remote::staged::{StagedDelta, StagedLayer};
 

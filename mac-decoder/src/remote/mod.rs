@@ -27,7 +27,6 @@
 //! # let _ = out; Ok(()) }
 //! ```
 
-pub mod cli;
 mod client;
 mod conversation;
 mod staged;

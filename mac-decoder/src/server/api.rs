@@ -7,7 +7,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use crate::chat::render::{RenderOptions, THINKING_EFFORTS};
+use crate::chat::grammar::ReplyShape;
+use crate::chat::render::{response_schema, RenderOptions, THINKING_EFFORTS};
 use crate::chat::Json;
 use crate::sampler::SamplingParams;
 
@@ -148,10 +149,17 @@ pub struct GenSettings {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub return_token_ids: bool,
+    /// Log-probabilities with this many alternatives per token (chat: `logprobs: true` +
+    /// `top_logprobs`; completions: `logprobs: N`).
+    pub logprobs: Option<usize>,
 }
 
-/// Parses sampling and stream settings, with the given defaults.
-pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64) -> R<GenSettings> {
+/// Most alternatives per token `top_logprobs` (and the legacy `logprobs`) may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Parses sampling and stream settings, with the given defaults. `legacy_logprobs`: the
+/// completions API's integer `logprobs` (else chat's boolean `logprobs` + `top_logprobs`).
+pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_logprobs: bool) -> R<GenSettings> {
     let stream = opt_bool(v, "stream")?.unwrap_or(false);
     let include_usage = match v.get("stream_options") {
         None | Some(Json::Null) => false,
@@ -195,9 +203,29 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64) -> R<GenSe
             }
         }
     }
-    if opt_bool(v, "logprobs")?.unwrap_or(false) {
-        return Err(ApiError::bad_request("`logprobs` is not supported", Some("logprobs")));
-    }
+    let logprobs = if legacy_logprobs {
+        // /v1/completions: `logprobs` is the number of alternatives (0 = the chosen token's only).
+        match opt_int(v, "logprobs")? {
+            None => None,
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            Some(n) => return Err(ApiError::bad_request(format!("`logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {n}"), Some("logprobs"))),
+        }
+    } else {
+        let top = match opt_int(v, "top_logprobs")? {
+            None => None,
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(ApiError::bad_request(format!("`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {n}"), Some("top_logprobs")))
+            }
+        };
+        match opt_bool(v, "logprobs")? {
+            Some(true) => Some(top.unwrap_or(0)),
+            _ if top.is_some_and(|t| t > 0) => {
+                return Err(ApiError::bad_request("`top_logprobs` needs `logprobs: true`", Some("top_logprobs")))
+            }
+            _ => None,
+        }
+    };
     let seed = match opt_int(v, "seed")? {
         Some(s) => s as u64,
         None => seed_fallback,
@@ -218,7 +246,7 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64) -> R<GenSe
     let return_token_ids = opt_bool(v, "return_token_ids")?.unwrap_or(false);
     let sampling = SamplingParams { greedy: temperature == 0.0, temperature: temperature as f32, top_p: top_p as f32, top_k: top_k as usize, seed };
     sampling.validate().map_err(|e| ApiError::bad_request(e, None))?;
-    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids })
+    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids, logprobs })
 }
 
 /// A validated chat request: what to render and how to generate.
@@ -230,6 +258,65 @@ pub struct ChatRequest {
     pub gen: GenSettings,
     /// The images of the messages, in rendering order (user messages only).
     pub images: Vec<ImageInput>,
+    pub tool_choice: ToolChoice,
+    /// The request declares at least one tool.
+    pub has_tools: bool,
+}
+
+impl ChatRequest {
+    /// What constrained decoding must enforce, if anything: a forced tool call (`tool_choice`
+    /// "required" or named) first, else the `response_format` JSON.
+    pub fn reply_shape(&self) -> Option<ReplyShape> {
+        let tools = || self.render.tools.clone().unwrap_or(Json::Array(Vec::new()));
+        match &self.tool_choice {
+            ToolChoice::Required => return Some(ReplyShape::ToolCalls { tools: tools(), only: None }),
+            ToolChoice::Named(n) => return Some(ReplyShape::ToolCalls { tools: tools(), only: Some(n.clone()) }),
+            _ => {}
+        }
+        let rf = self.render.response_format.as_ref()?;
+        match rf.get("type").and_then(Json::as_str) {
+            Some("json_object") => Some(ReplyShape::JsonObject),
+            Some("json_schema") => Some(ReplyShape::JsonSchema(response_schema(rf).cloned().unwrap_or(Json::Bool(true)))),
+            _ => None,
+        }
+    }
+
+    /// Whether the reply may hold tool calls: the request declares tools and does not say
+    /// `tool_choice: "none"`. Otherwise calls the model writes are dropped (vLLM, SGLang).
+    pub fn tool_calls_allowed(&self) -> bool {
+        self.has_tools && self.tool_choice != ToolChoice::None
+    }
+}
+
+/// The prompt of a chat request without images: its segments and ids. (The server renders
+/// requests with images itself: their media blocks need the pre-processed sizes.)
+pub fn render_chat(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest) -> R<(Vec<crate::tokenizer::Segment>, Vec<u32>)> {
+    if !req.images.is_empty() {
+        return Err(ApiError::bad_request("requests with images are rendered by the chat endpoint only", Some("messages")));
+    }
+    let segments = crate::chat::render::render(&req.messages, &req.render).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
+    let ids = tok.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+    Ok((segments, ids))
+}
+
+/// The render of a chat request as JSON: `{"text", "segments": [[string, is_special], ...],
+/// "ids"}` (`k3-decode render`, `POST /tokenize`).
+pub fn render_json(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest) -> R<serde_json::Value> {
+    let (segments, ids) = render_chat(tok, req)?;
+    let text: String = segments.iter().map(|s| s.text.as_str()).collect();
+    let segs: Vec<serde_json::Value> = segments.iter().map(|s| serde_json::json!([s.text, s.markup])).collect();
+    Ok(serde_json::json!({"text": text, "segments": segs, "ids": ids}))
+}
+
+/// The request's `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// `"auto"` or absent.
+    Auto,
+    None,
+    Required,
+    /// `{"type": "function", "function": {"name": ...}}`: a call to this tool.
+    Named(String),
 }
 
 /// Maps `reasoning_effort` to (thinking, effort). Policy (spec §2.7, §5.2): `none` turns
@@ -335,21 +422,32 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
     };
     let has_tools = tools.as_ref().is_some_and(Json::truthy);
     let tool_choice = match v.get("tool_choice") {
-        None | Some(Json::Null) => None,
+        None | Some(Json::Null) => ToolChoice::Auto,
         Some(Json::Str(s)) => match s.as_str() {
-            "auto" => None,
+            "auto" => ToolChoice::Auto,
             "required" if !has_tools => {
                 return Err(ApiError::bad_request("`tool_choice` is \"required\" but the request has no tools", Some("tool_choice")))
             }
-            "required" => Some(Json::Str(s.clone())),
-            // OpenAI clients often send "none" by default: without tools it says nothing.
-            "none" if !has_tools => None,
-            "none" => Some(Json::Str(s.clone())),
+            "required" => ToolChoice::Required,
+            "none" => ToolChoice::None,
             other => return Err(ApiError::bad_request(format!("unknown tool_choice {other:?}"), Some("tool_choice"))),
         },
-        Some(_) => {
-            return Err(ApiError::bad_request("a named tool_choice cannot be expressed in K3's format; use auto, required or none", Some("tool_choice")))
+        Some(o @ Json::Object(_)) => {
+            // {"type": "function", "function": {"name": ...}} (chat), or {"type": "function", "name": ...} (responses)
+            if o.get("type").and_then(Json::as_str).is_some_and(|t| t != "function") {
+                return Err(ApiError::bad_request("a named `tool_choice` must have type \"function\"", Some("tool_choice")));
+            }
+            let name = o.get("function").and_then(|f| f.get("name")).or_else(|| o.get("name")).and_then(Json::as_str);
+            let Some(name) = name else {
+                return Err(ApiError::bad_request("a named `tool_choice` needs `function.name`", Some("tool_choice")));
+            };
+            let declared = tools.as_ref().and_then(Json::as_array).unwrap_or_default();
+            if !declared.iter().any(|t| t.get("function").and_then(|f| f.get("name")).and_then(Json::as_str) == Some(name)) {
+                return Err(ApiError::bad_request(format!("`tool_choice` names the tool {name:?}, which is not in `tools`"), Some("tool_choice")));
+            }
+            ToolChoice::Named(name.to_string())
         }
+        Some(_) => return Err(ApiError::bad_request("`tool_choice` must be a string or an object", Some("tool_choice"))),
     };
     let response_format = match v.get("response_format") {
         None | Some(Json::Null) => None,
@@ -387,6 +485,21 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
             }
         }
     }
+    // The release encoder's `response_schema` keyword: a JSON schema for the reply, the same
+    // as `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`.
+    let mut response_format = response_format;
+    if let Some(schema) = kwargs.and_then(|k| k.get("response_schema")).filter(|s| !s.is_null()) {
+        if !matches!(schema, Json::Object(_) | Json::Bool(_)) {
+            return Err(ApiError::bad_request("`chat_template_kwargs.response_schema` must be a JSON schema object", Some("chat_template_kwargs")));
+        }
+        if response_format.is_some() {
+            return Err(ApiError::bad_request("give either `response_format` or `chat_template_kwargs.response_schema`, not both", Some("response_format")));
+        }
+        response_format = Some(Json::Object(vec![
+            ("type".into(), Json::Str("json_schema".into())),
+            ("json_schema".into(), Json::Object(vec![("schema".into(), schema.clone())])),
+        ]));
+    }
     if let Some(t) = opt_bool(v, "enable_thinking")? {
         thinking = t;
     }
@@ -394,10 +507,18 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         effort = Some(DEFAULT_EFFORT.to_string());
     }
 
-    let gen = gen_settings(v, DEFAULT_TOP_P, seed_fallback)?;
+    let gen = gen_settings(v, DEFAULT_TOP_P, seed_fallback, false)?;
+    // The note of spec §2.6: "required" and "none" (the latter only with tools: OpenAI clients
+    // often send it by default); a named choice renders nothing, as the release encoder does
+    // with an object, and is enforced by constrained decoding.
+    let rendered_choice = match &tool_choice {
+        ToolChoice::Required => Some(Json::Str("required".into())),
+        ToolChoice::None if has_tools => Some(Json::Str("none".into())),
+        _ => None,
+    };
     let render = RenderOptions {
         tools,
-        tool_choice,
+        tool_choice: rendered_choice,
         response_format,
         thinking,
         thinking_effort: effort,
@@ -405,7 +526,7 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         image_prompts: None,
         placeholders_in_text: false,
     };
-    Ok(ChatRequest { model, messages: msgs, render, gen, images })
+    Ok(ChatRequest { model, messages: msgs, render, gen, images, tool_choice, has_tools })
 }
 
 /// One image of a chat request: the decoded bytes of its data URL and where it was.
@@ -525,6 +646,6 @@ pub fn completion_request(v: &Json, served_model: &str, vocab: usize, seed_fallb
     if opt_int(v, "best_of")?.is_some_and(|b| b != 1) {
         return Err(ApiError::bad_request("only `best_of` = 1 is supported", Some("best_of")));
     }
-    let gen = gen_settings(v, 1.0, seed_fallback)?;
+    let gen = gen_settings(v, 1.0, seed_fallback, true)?;
     Ok(CompletionRequest { model, prompt, gen })
 }

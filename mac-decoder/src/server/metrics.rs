@@ -30,6 +30,8 @@ pub struct Metrics {
     pub images: Counter,
     pub vision_seconds: Counter<f64, AtomicU64>,
     pub decode_seconds: Counter<f64, AtomicU64>,
+    /// Part of the decode time spent computing constrained-decoding masks.
+    pub constraint_mask_seconds: Counter<f64, AtomicU64>,
     /// Decode speed of the last finished request.
     pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
     pub sessions_held: Gauge,
@@ -58,6 +60,7 @@ impl Metrics {
             images: Counter::default(),
             vision_seconds: Counter::default(),
             decode_seconds: Counter::default(),
+            constraint_mask_seconds: Counter::default(),
             decode_tokens_per_second: Gauge::default(),
             sessions_held: Gauge::default(),
             session_bytes: Gauge::default(),
@@ -82,6 +85,7 @@ impl Metrics {
             r.register("images", "Images encoded by the vision tower", m.images.clone());
             r.register("vision_seconds", "Seconds spent encoding images (vision tower and projector)", m.vision_seconds.clone());
             r.register("decode_seconds", "Seconds spent in decode steps", m.decode_seconds.clone());
+            r.register("constraint_mask_seconds", "Seconds of the decode time spent computing constrained-decoding masks", m.constraint_mask_seconds.clone());
             r.register("decode_tokens_per_second", "Decode speed of the last finished request", m.decode_tokens_per_second.clone());
             r.register("sessions_held", "Session states held for prefix reuse", m.sessions_held.clone());
             r.register("session_state_bytes", "Bytes of held session state", m.session_bytes.clone());

@@ -19,7 +19,7 @@ pub mod worker;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -33,14 +33,19 @@ use axum::{Json as AxJson, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::chat::constrain::Grammars;
+use crate::chat::grammar::ReplyShape;
 use crate::chat::parse::{FinishReason, OutputEvent, OutputParser, ToolCall};
 use crate::chat::render::render;
+use crate::generate::Emitted;
+use crate::sampler::TokenConstraint;
 use crate::tokenizer::Tokenizer;
 use api::{ApiError, ChatRequest, GenSettings, Prompt};
 use metrics::Metrics;
 use sessions::MediaKey;
 use stop::StopStrings;
-use worker::{EngineHandle, GenEvent, GenFinish, GenJob, JobImage};
+use crate::generate;
+use worker::{EngineHandle, GenEvent, GenJob, JobImage};
 
 /// Largest request body: a data-URL image of [`api::MAX_IMAGE_BYTES`] is 4/3 of it in base64.
 pub const MAX_BODY_BYTES: usize = api::MAX_IMAGE_BYTES / 3 * 4 + (8 << 20);
@@ -57,11 +62,41 @@ pub struct AppState {
     /// Default `max_tokens` of chat completions (bounded by the context).
     pub default_chat_max_tokens: usize,
     counter: AtomicU64,
+    /// When the server started (the model's `created`).
+    created: u64,
+    /// Constrained decoding's view of the tokenizer, built on first use.
+    grammars: OnceLock<Result<Arc<Grammars>, String>>,
 }
 
 impl AppState {
     pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, model_id: String, api_key: Option<String>) -> Self {
-        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, counter: AtomicU64::new(0) }
+        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, counter: AtomicU64::new(0), created: now_secs(), grammars: OnceLock::new() }
+    }
+
+    /// A constraint enforcing `shape` (built off the async threads: the first call builds the
+    /// token trie of the whole vocabulary). A grammar that cannot be built is the client's
+    /// schema: a 400.
+    async fn constraint(self: &Arc<Self>, shape: ReplyShape, thinking: bool) -> Result<Box<dyn TokenConstraint + Send>, ApiError> {
+        let st = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let grammars = st
+                .grammars
+                .get_or_init(|| {
+                    let t = std::time::Instant::now();
+                    let g = Grammars::new(st.tokenizer.clone()).map(Arc::new);
+                    tracing::info!(seconds = t.elapsed().as_secs_f64(), "constrained decoding ready (token trie built)");
+                    g
+                })
+                .clone()
+                .map_err(|e| ApiError::internal(format!("constrained decoding is unavailable: {e}")))?;
+            let c = grammars.constraint(&shape, thinking).map_err(|e| {
+                let param = if matches!(shape, ReplyShape::ToolCalls { .. }) { "tools" } else { "response_format" };
+                ApiError::bad_request(format!("the reply cannot be constrained: {e}"), Some(param))
+            })?;
+            Ok(Box::new(c) as Box<dyn TokenConstraint + Send>)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("building the grammar stopped: {e}")))?
     }
 
     fn next_id(&self) -> u64 {
@@ -84,6 +119,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_info))
+        .route("/tokenize", post(tokenize))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
@@ -126,12 +163,62 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], st.metrics.render()).into_response()
 }
 
+fn model_card(st: &AppState) -> Value {
+    json!({"id": st.model_id, "object": "model", "created": st.created, "owned_by": "k3-offload", "max_model_len": st.engine.max_context})
+}
+
 async fn models(State(st): State<Arc<AppState>>) -> AxJson<Value> {
     st.metrics.request("models");
-    AxJson(json!({
-        "object": "list",
-        "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "k3-offload", "max_model_len": st.engine.max_context}],
-    }))
+    AxJson(json!({"object": "list", "data": [model_card(&st)]}))
+}
+
+async fn model_info(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    st.metrics.request("models");
+    if id != st.model_id {
+        return fail(&st, ApiError::not_found_model(&id));
+    }
+    AxJson(model_card(&st)).into_response()
+}
+
+/// `POST /tokenize` (vLLM's shape): a chat request's prompt (`messages`, tools, kwargs) or a raw
+/// `prompt` → `{"count", "max_model_len", "tokens", "token_strs"?}`, plus for chat requests the
+/// rendered `text` and `segments` (`[[string, is_special], ...]`).
+async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    st.metrics.request("tokenize");
+    let v = match api::parse_body(&body) {
+        Ok(v) => v,
+        Err(e) => return fail(&st, e),
+    };
+    let strs = v.get("return_token_strs").is_some_and(|b| matches!(b, crate::chat::Json::Bool(true)));
+    let mut out = if v.get("messages").is_some() {
+        let req = match api::chat_request(&v, &st.model_id, 0) {
+            Ok(r) => r,
+            Err(e) => return fail(&st, e),
+        };
+        match api::render_json(&st.tokenizer, &req) {
+            Ok(r) => r,
+            Err(e) => return fail(&st, e),
+        }
+    } else {
+        match v.get("prompt").and_then(crate::chat::Json::as_str) {
+            Some(p) => match st.tokenizer.encode(p, true) {
+                Ok(ids) => json!({"ids": ids}),
+                Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
+            },
+            None => return fail(&st, ApiError::bad_request("give `messages` (a chat request) or a string `prompt`", Some("prompt"))),
+        }
+    };
+    let ids: Vec<u32> = out["ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default();
+    out["count"] = json!(ids.len());
+    out["max_model_len"] = json!(st.engine.max_context);
+    if strs {
+        out["token_strs"] = json!(ids.iter().map(|&i| st.tokenizer.decode(&[i])).collect::<Vec<_>>());
+    }
+    out["tokens"] = json!(ids);
+    if let Some(o) = out.as_object_mut() {
+        o.remove("ids");
+    }
+    AxJson(out).into_response()
 }
 
 fn fail(st: &AppState, e: ApiError) -> Response {
@@ -147,6 +234,7 @@ fn start(
     images: Vec<JobImage>,
     gen: &GenSettings,
     default_max: usize,
+    constraint: Option<Box<dyn TokenConstraint + Send>>,
 ) -> Result<(mpsc::UnboundedReceiver<GenEvent>, usize), ApiError> {
     let ctx = st.engine.max_context;
     if prompt.is_empty() {
@@ -180,17 +268,18 @@ fn start(
         stop_ids.push(i);
     }
     st.engine
-        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, events: tx })
+        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs, events: tx })
         .map_err(ApiError::unavailable)?;
     Ok((rx, max_tokens))
 }
 
-fn usage(prompt: usize, completion: usize, reused: usize) -> Value {
+fn usage(prompt: usize, completion: usize, reused: usize, reasoning: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": reused},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     })
 }
 
@@ -205,6 +294,85 @@ struct ChatRun {
     tokens: Vec<u32>,
     reused: usize,
     stopped_by_string: bool,
+    /// Per-token log-probabilities (OpenAI's `logprobs.content` entries), when asked for.
+    logprobs: Option<LogprobLog>,
+}
+
+/// Log-probability entries of the generated tokens; `sent` of them went out in stream chunks.
+struct LogprobLog {
+    tok: Arc<Tokenizer>,
+    entries: Vec<Emitted>,
+    sent: usize,
+}
+
+impl LogprobLog {
+    fn new(tok: Arc<Tokenizer>) -> Self {
+        LogprobLog { tok, entries: Vec::new(), sent: 0 }
+    }
+
+    /// A token's text and bytes (special tokens by name).
+    fn piece(&self, id: u32) -> (String, Vec<u8>) {
+        match self.tok.token_bytes(id) {
+            Some(b) if !self.tok.is_special(id) => (String::from_utf8_lossy(b).into_owned(), b.to_vec()),
+            _ => {
+                let s = self.tok.decode(&[id]);
+                let b = s.clone().into_bytes();
+                (s, b)
+            }
+        }
+    }
+
+    /// Chat entries: `{"token", "logprob", "bytes", "top_logprobs": [...]}`.
+    fn chat(&self, from: usize) -> Value {
+        let entries: Vec<Value> = self.entries[from..]
+            .iter()
+            .map(|e| {
+                let (t, b) = self.piece(e.token);
+                let top: Vec<Value> = e
+                    .top
+                    .iter()
+                    .map(|&(id, lp)| {
+                        let (t, b) = self.piece(id);
+                        json!({"token": t, "logprob": lp, "bytes": b})
+                    })
+                    .collect();
+                json!({"token": t, "logprob": e.logprob, "bytes": b, "top_logprobs": top})
+            })
+            .collect();
+        json!({"content": entries})
+    }
+
+    /// Legacy completions shape: `tokens`, `token_logprobs`, `top_logprobs` (a map per token).
+    fn legacy(&self, from: usize, text_offset: usize) -> Value {
+        let mut tokens = Vec::new();
+        let mut lps = Vec::new();
+        let mut tops = Vec::new();
+        let mut offsets = Vec::new();
+        let mut off = text_offset;
+        for e in &self.entries[from..] {
+            let (t, _) = self.piece(e.token);
+            offsets.push(off);
+            off += t.len();
+            tokens.push(t);
+            lps.push(e.logprob);
+            let mut m = serde_json::Map::new();
+            for &(id, lp) in &e.top {
+                m.insert(self.piece(id).0, json!(lp));
+            }
+            tops.push(Value::Object(m));
+        }
+        json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+    }
+
+    /// The chat entries not yet streamed (marks them sent); None when there are none.
+    fn take_chat(&mut self) -> Option<Value> {
+        if self.sent == self.entries.len() {
+            return None;
+        }
+        let v = self.chat(self.sent);
+        self.sent = self.entries.len();
+        Some(v)
+    }
 }
 
 /// One step of a chat run, for the response writer.
@@ -222,8 +390,12 @@ impl ChatRun {
                 self.reused = reused_tokens;
                 Ok(None)
             }
-            GenEvent::Token(t) => {
+            GenEvent::Token(e) => {
+                let t = e.token;
                 self.tokens.push(t);
+                if let Some(l) = self.logprobs.as_mut() {
+                    l.entries.push(e);
+                }
                 let evs = self.parser.push(t);
                 let evs = self.filter(evs);
                 if self.stopped_by_string {
@@ -235,7 +407,7 @@ impl ChatRun {
             }
             GenEvent::Done { finish, .. } => {
                 let reason = match finish {
-                    GenFinish::Length => FinishReason::Length,
+                    generate::FinishReason::Length => FinishReason::Length,
                     _ => FinishReason::Stop,
                 };
                 let tail = self.filter_tail(reason);
@@ -299,17 +471,26 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };
-    let (rx, _max) = match start(&st, &prompt, images, &req.gen, st.default_chat_max_tokens) {
+    let constraint = match req.reply_shape() {
+        Some(shape) => match st.constraint(shape, req.render.thinking).await {
+            Ok(c) => Some(c),
+            Err(e) => return fail(&st, e),
+        },
+        None => None,
+    };
+    let (rx, _max) = match start(&st, &prompt, images, &req.gen, st.default_chat_max_tokens, constraint) {
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };
     st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
     let id = format!("chatcmpl-{:x}{:04x}", now_secs(), n & 0xffff);
     let parser = match OutputParser::new(st.tokenizer.clone(), req.render.thinking, format!("call_{:x}{:04x}", now_secs(), n & 0xffff)) {
-        Ok(p) => p,
+        Ok(p) if req.tool_calls_allowed() => p,
+        Ok(p) => p.without_tool_calls(),
         Err(e) => return fail(&st, ApiError::internal(e)),
     };
-    let run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false };
+    let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
+    let run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs };
     if req.gen.stream {
         chat_stream(st, rx, run, id, req.model, prompt, req.gen).await
     } else {
@@ -363,8 +544,7 @@ async fn chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<
             .collect();
         return Ok((expanded.ids, images));
     }
-    let segments = render(&req.messages, &opts).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
-    let prompt = st.tokenizer.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+    let (_, prompt) = api::render_chat(&st.tokenizer, req)?;
     if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
         if prompt.contains(&pad) {
             return Err(ApiError::bad_request("the prompt holds a media pad token but no image", Some("messages")));
@@ -417,14 +597,15 @@ async fn chat_whole(
         }).collect());
     }
     let finish = if run.stopped_by_string { FinishReason::Stop } else { finish };
-    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": null});
+    let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.chat(0));
+    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": lp});
     if gen.return_token_ids {
         choice["token_ids"] = json!(run.tokens);
     }
     let mut body = json!({
         "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
         "choices": [choice],
-        "usage": usage(prompt.len(), run.tokens.len(), run.reused),
+        "usage": usage(prompt.len(), run.tokens.len(), run.reused, run.parser.output().reasoning_tokens),
     });
     if gen.return_token_ids {
         body["prompt_token_ids"] = json!(prompt);
@@ -441,14 +622,25 @@ fn content_with_stops(content: &str, stops: &[String]) -> String {
 }
 
 /// Sends parser events as chunks; false when the client is gone.
-fn send_events(tx: &mpsc::UnboundedSender<Result<Event, Infallible>>, chunk: &impl Fn(Value, Option<&str>) -> Value, evs: Vec<OutputEvent>) -> bool {
+/// Sends parser events as chunks (the first carries the log-probabilities of the tokens not yet
+/// streamed); false when the client is gone.
+fn send_events(
+    tx: &mpsc::UnboundedSender<Result<Event, Infallible>>,
+    chunk: &impl Fn(Value, Option<&str>) -> Value,
+    evs: Vec<OutputEvent>,
+    logprobs: &mut Option<LogprobLog>,
+) -> bool {
     for e in evs {
         let delta = match e {
             OutputEvent::Reasoning(s) => json!({"reasoning_content": s}),
             OutputEvent::Content(s) => json!({"content": s}),
             OutputEvent::ToolCall(t) => json!({"tool_calls": [tool_call_json(&t)]}),
         };
-        if tx.send(sse(&chunk(delta, None))).is_err() {
+        let mut c = chunk(delta, None);
+        if let Some(lp) = logprobs.as_mut().and_then(LogprobLog::take_chat) {
+            c["choices"][0]["logprobs"] = lp;
+        }
+        if tx.send(sse(&c)).is_err() {
             return false;
         }
     }
@@ -481,7 +673,7 @@ async fn chat_stream(
         while let Some(ev) = rx.recv().await {
             match run.on(ev) {
                 Ok(Some(ChatStep::Events(evs))) => {
-                    if !send_events(&tx, &chunk, evs) {
+                    if !send_events(&tx, &chunk, evs, &mut run.logprobs) {
                         return; // client gone: dropping rx cancels the job
                     }
                     if run.stopped_by_string {
@@ -490,7 +682,7 @@ async fn chat_stream(
                     }
                 }
                 Ok(Some(ChatStep::Finished(r, tail))) => {
-                    send_events(&tx, &chunk, tail);
+                    send_events(&tx, &chunk, tail, &mut run.logprobs);
                     finish = Some(r);
                     break;
                 }
@@ -510,11 +702,15 @@ async fn chat_stream(
             let _ = tx.send(Ok(Event::default().data("[DONE]")));
             return;
         };
-        let _ = tx.send(sse(&chunk(json!({}), Some(finish.as_str()))));
+        let mut last = chunk(json!({}), Some(finish.as_str()));
+        if let Some(lp) = run.logprobs.as_mut().and_then(LogprobLog::take_chat) {
+            last["choices"][0]["logprobs"] = lp;
+        }
+        let _ = tx.send(sse(&last));
         if gen.include_usage {
             let mut u = chunk(Value::Null, None);
             u["choices"] = json!([]);
-            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused);
+            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused, run.parser.output().reasoning_tokens);
             let _ = tx.send(sse(&u));
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]")));
@@ -549,7 +745,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             );
         }
     }
-    let (mut rx, _) = match start(&st, &prompt, Vec::new(), &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS) {
+    let (mut rx, _) = match start(&st, &prompt, Vec::new(), &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS, None) {
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };
@@ -567,8 +763,12 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         stops: StopStrings,
         tokens: Vec<u32>,
         reused: usize,
+        logprobs: Option<LogprobLog>,
+        /// Characters of text sent so far (the next entry's `text_offset`).
+        text_len: usize,
     }
-    let mut run = Run { utf8: Default::default(), stops: StopStrings::new(gen.stop.clone()), tokens: Vec::new(), reused: 0 };
+    let logprobs = gen.logprobs.map(|_| LogprobLog::new(tok.clone()));
+    let mut run = Run { utf8: Default::default(), stops: StopStrings::new(gen.stop.clone()), tokens: Vec::new(), reused: 0, logprobs, text_len: 0 };
     // Returns (text delta, finish reason if finished).
     let step = move |run: &mut Run, ev: GenEvent| -> Result<(String, Option<&'static str>), ApiError> {
         match ev {
@@ -576,8 +776,12 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
                 run.reused = reused_tokens;
                 Ok((String::new(), None))
             }
-            GenEvent::Token(t) => {
+            GenEvent::Token(e) => {
+                let t = e.token;
                 run.tokens.push(t);
+                if let Some(l) = run.logprobs.as_mut() {
+                    l.entries.push(e);
+                }
                 if stop_ids.contains(&t) {
                     return Ok((String::new(), None));
                 }
@@ -591,7 +795,7 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
                 if !run.stops.hit() {
                     s.push_str(&run.stops.finish());
                 }
-                Ok((s, Some(if finish == GenFinish::Length && !run.stops.hit() { "length" } else { "stop" })))
+                Ok((s, Some(if finish == generate::FinishReason::Length && !run.stops.hit() { "length" } else { "stop" })))
             }
             GenEvent::Error(e) => Err(ApiError::internal(format!("generation failed: {e}"))),
         }
@@ -616,12 +820,13 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             }
         }
         drop(rx);
-        let mut choice = json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null});
+        let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.legacy(0, 0));
+        let mut choice = json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": lp});
         if gen.return_token_ids {
             choice["token_ids"] = json!(run.tokens);
         }
         let mut body = json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                              "choices": [choice], "usage": usage(prompt.len(), run.tokens.len(), run.reused)});
+                              "choices": [choice], "usage": usage(prompt.len(), run.tokens.len(), run.reused, 0)});
         if gen.return_token_ids {
             body["prompt_token_ids"] = json!(prompt);
         }
@@ -635,18 +840,31 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
         };
+        // A chunk carrying the log-probabilities of the tokens not yet streamed.
+        let with_logprobs = |run: &mut Run, mut c: Value| {
+            if let Some(l) = run.logprobs.as_mut().filter(|l| l.sent < l.entries.len()) {
+                c["choices"][0]["logprobs"] = l.legacy(l.sent, run.text_len);
+                l.sent = l.entries.len();
+            }
+            c
+        };
         while let Some(ev) = rx.recv().await {
             match step(&mut run, ev) {
                 Ok((s, f)) => {
-                    if !s.is_empty() && tx.send(sse(&chunk(&s, None))).is_err() {
-                        return;
+                    if !s.is_empty() {
+                        let c = with_logprobs(&mut run, chunk(&s, None));
+                        run.text_len += s.len();
+                        if tx.send(sse(&c)).is_err() {
+                            return;
+                        }
                     }
                     if let Some(f) = f {
-                        let _ = tx.send(sse(&chunk("", Some(f))));
+                        let c = with_logprobs(&mut run, chunk("", Some(f)));
+                        let _ = tx.send(sse(&c));
                         if gen.include_usage {
                             let mut u = chunk("", None);
                             u["choices"] = json!([]);
-                            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused);
+                            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused, 0);
                             let _ = tx.send(sse(&u));
                         }
                         let _ = tx.send(Ok(Event::default().data("[DONE]")));

@@ -1,18 +1,18 @@
 //! The engine thread: owns the [`GenerationEngine`] and the [`SessionStore`], runs one
-//! generation job at a time (prefix reuse, prefill, checkpoint, sample/step loop) and streams
+//! generation job at a time (prefix reuse, prefill, checkpoint, the decode loop of
+//! [`crate::generate`]) and streams
 //! token ids back to the HTTP handler over a channel. A handler that goes away (client gone,
 //! stop string matched) drops its receiver, which cancels the job at the next token.
 
 use std::sync::Arc;
-use std::time::Instant;
-
 use tokio::sync::mpsc;
 
 use super::engine::{GenerationEngine, PrefillReport};
 use super::metrics::Metrics;
 use super::engine::MediaSupport;
 use super::sessions::{MediaKey, SessionStore};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::generate::{Emitted, FinishReason, GenerateParams, TokenStep};
+use crate::sampler::{SamplingParams, TokenConstraint};
 use crate::vision::PreprocessedImage;
 
 /// Limits of the session store.
@@ -46,15 +46,11 @@ pub struct GenJob {
     pub sampling: SamplingParams,
     /// Generation ends after emitting one of these (it is reported and fed).
     pub stop_ids: Vec<u32>,
+    /// Constrained decoding (structured output, forced tool calls): masks every step.
+    pub constraint: Option<Box<dyn TokenConstraint + Send>>,
+    /// Report log-probabilities with this many alternatives per token.
+    pub logprobs: Option<usize>,
     pub events: mpsc::UnboundedSender<GenEvent>,
-}
-
-/// Why a job ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GenFinish {
-    Stop,
-    Length,
-    Cancelled,
 }
 
 /// What the engine thread reports about a job.
@@ -62,8 +58,8 @@ pub enum GenFinish {
 pub enum GenEvent {
     /// The prompt is in: how much was reused and how the rest was prefilled.
     Prefilled { reused_tokens: usize, report: PrefillReport },
-    Token(u32),
-    Done { finish: GenFinish, generated: usize, decode_seconds: f64 },
+    Token(Emitted),
+    Done { finish: FinishReason, generated: usize, decode_seconds: f64 },
     Error(String),
 }
 
@@ -193,7 +189,7 @@ impl<S: 'static> Worker<S> {
 
     fn generate<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) -> anyhow::Result<()> {
         anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
-        let mut sampler = Sampler::new(job.sampling.clone()).map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
+        job.sampling.validate().map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
         let media: Vec<MediaKey> = job.images.iter().map(|i| i.key.clone()).collect();
         let (mut session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
         drop(job.images);
@@ -230,25 +226,23 @@ impl<S: 'static> Worker<S> {
             }
         }
 
-        let t0 = Instant::now();
-        let mut generated = Vec::with_capacity(job.max_tokens.min(4096));
-        let mut finish = GenFinish::Length;
-        while generated.len() < job.max_tokens && job.prompt.len() + generated.len() < engine.max_context() {
-            let logits = engine.logits(&session).ok_or_else(|| anyhow::anyhow!("the session has no logits"))?;
-            let tok = sampler.sample(logits).map_err(|e| anyhow::anyhow!("sampling: {e}"))?;
-            generated.push(tok);
-            let listening = job.events.send(GenEvent::Token(tok)).is_ok();
-            engine.step(&mut session, tok)?;
-            if job.stop_ids.contains(&tok) {
-                finish = GenFinish::Stop;
-                break;
-            }
-            if !listening {
-                finish = GenFinish::Cancelled;
-                break;
-            }
-        }
-        let decode_seconds = t0.elapsed().as_secs_f64();
+        let params = GenerateParams {
+            max_new_tokens: job.max_tokens.min(engine.max_context().saturating_sub(job.prompt.len())),
+            sampling: job.sampling,
+            stop_tokens: job.stop_ids,
+            logprobs: job.logprobs,
+        };
+        let events = job.events.clone();
+        let mut constraint = job.constraint;
+        let out = crate::generate::generate_constrained(
+            &mut EngineSession { engine, session: &mut session },
+            &params,
+            constraint.as_deref_mut().map(|c| c as &mut dyn TokenConstraint),
+            |e| events.send(GenEvent::Token(e.clone())).is_ok(),
+        )?;
+        self.metrics.constraint_mask_seconds.inc_by(out.mask_time.as_secs_f64());
+        let (generated, finish) = (out.tokens, out.finish);
+        let decode_seconds = out.decode_time.as_secs_f64();
         self.metrics.generated_tokens.inc_by(generated.len() as u64);
         self.metrics.decode_seconds.inc_by(decode_seconds);
         if !generated.is_empty() && decode_seconds > 0.0 {
@@ -262,5 +256,20 @@ impl<S: 'static> Worker<S> {
         self.metrics.sessions_evicted.inc_by(ev as u64);
         let _ = job.events.send(GenEvent::Done { finish, generated: n, decode_seconds });
         Ok(())
+    }
+}
+
+/// A session of a [`GenerationEngine`], as the decode loop drives it.
+struct EngineSession<'a, E: GenerationEngine> {
+    engine: &'a mut E,
+    session: &'a mut E::Session,
+}
+
+impl<E: GenerationEngine> TokenStep for EngineSession<'_, E> {
+    fn next_logits(&self) -> Option<&[f32]> {
+        self.engine.logits(self.session)
+    }
+    fn feed(&mut self, token: u32) -> anyhow::Result<()> {
+        self.engine.step(self.session, token)
     }
 }

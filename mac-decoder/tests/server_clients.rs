@@ -1,0 +1,70 @@
+//! The server driven by the official client libraries (the `openai` Python SDK, installed by
+//! scripts/setup.sh into .deps/pyclients) on the MLX engine and a random-weight synthetic model:
+//! tests/clients/openai_sdk.py checks chat, streaming, constrained decoding (json_schema and a
+//! forced named tool 20/20, json_object) and tool_choice handling.
+#![cfg(feature = "mlx")]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+
+use k3_protocol::synth::{write_model, Preset, SynthOptions};
+use mac_decoder::decode::EngineOptions;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::mlx_engine::MlxEngine;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::Tokenizer;
+
+/// Where scripts/setup.sh installed the client libraries.
+fn py_clients() -> PathBuf {
+    let dir = std::env::var_os("K3_PY_CLIENTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.deps/pyclients"));
+    assert!(
+        dir.join("openai").is_dir(),
+        "the openai Python SDK is not in {} (run scripts/setup.sh)",
+        dir.display()
+    );
+    dir
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_sdk_against_the_server() {
+    let clients = py_clients();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = SynthOptions::new(Preset::Tiny);
+    opts.progress = false;
+    write_model(dir.path(), &opts).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    let metrics = Arc::new(Metrics::new());
+    let model = dir.path().to_path_buf();
+    let engine =
+        EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), metrics.clone()).unwrap();
+    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_sdk.py");
+    let b = base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3").arg(&script).arg(&b).arg("tiny").env("PYTHONPATH", &clients).output().expect("python3 runs")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "openai_sdk.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("ALL OK"));
+
+    let text = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    let mask = metric(&text, "k3_constraint_mask_seconds_total");
+    let decode = metric(&text, "k3_decode_seconds_total");
+    println!("constrained-decoding masks: {mask:.3} s of {decode:.3} s decode ({:.1} %)", 100.0 * mask / decode.max(1e-9));
+    assert!(mask > 0.0, "constrained requests computed masks");
+}
