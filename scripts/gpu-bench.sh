@@ -2,7 +2,7 @@
 # The benchmark runs of docs/cuda.md, on the GPU machine (repository root, .devbin carried; see
 # scripts/gpu-pack.sh). Every timing comes from `k3-prefill bench --model DIR` (the executor and
 # weight streamer that forward and serve run) except the kernels-alone and peer steps.
-# Usage: scripts/gpu-bench.sh [tests] [synth] [pinned] [pagecache] [budget] [disk] [kernels] [peer]
+# Usage: scripts/gpu-bench.sh [tests] [synth] [pinned] [window] [pagecache] [budget] [disk] [kernels] [peer]
 #        (default: tests synth pinned pagecache budget disk).
 # K3 widths: `synth` writes a 3-layer K3-width checkpoint (dense layer 0, a KDA and an MLA MoE
 # layer, 38.6 GiB) into tmpfs ($K3_DIR, default /dev/shm/k3), i.e. held in host RAM and read by the
@@ -24,6 +24,7 @@ for s in $steps; do
     synth)   [ -f "$K3/config.json" ] || { /usr/bin/time -f "synth: %e s" $B synth --preset k3 --layers 3 --seed 1 --no-progress --out "$K3" 2>&1 | tail -3; }
              du -sh "$K3"; free -g | head -2 ;;
     pinned)  timeout 300 $B bench --model "$K3" --backend cuda --pin-host --tokens $TOK 2>&1 | tee "$OUT/pinned.log" | tail -${TAIL:-30} ;;
+    window)  timeout 300 $B bench --model "$K3" --backend cuda --pin-host --copy-window ${WINDOW:-4} --tokens $TOK 2>&1 | tee "$OUT/window.log" | tail -${TAIL:-30} ;;
     pagecache) timeout 300 $B bench --model "$K3" --backend cuda --tokens $TOK 2>&1 | tee "$OUT/pagecache.log" | tail -${TAIL:-30} ;;
     budget)  timeout 300 $B bench --model "$K3" --backend cuda --vram-budget 24 --tokens ${BUDGET_TOKENS:-8192,32768} 2>&1 | tee "$OUT/budget.log" | tail -${TAIL:-30} ;;
     disk)    mkdir -p "$DISK"; [ -f "$DISK/config.json" ] || { /usr/bin/time -f "synth (disk): %e s" $B synth --preset k3 --layers 1 --seed 1 --no-progress --out "$DISK" 2>&1 | tail -2; sync; }

@@ -357,3 +357,29 @@ pub fn coalesce(parts: Vec<Part>) -> Vec<Part> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(name: &str, src: usize, offset: u64, len: usize, dst: usize) -> Part {
+        Part { name: name.into(), src, offset, len, dst }
+    }
+
+    #[test]
+    fn coalesce_merges_only_runs_contiguous_in_source_and_slot() {
+        let parts = vec![
+            part("a", 0, 100, 10, 0),
+            part("b", 0, 110, 5, 10),  // contiguous with a in both
+            part("c", 0, 115, 5, 16),  // source contiguous, slot gap
+            part("d", 1, 120, 5, 21),  // another shard
+            part("e", 1, 125, 3, 26),  // contiguous with d
+        ];
+        let got = coalesce(parts);
+        let spans: Vec<(usize, u64, usize, usize)> = got.iter().map(|p| (p.src, p.offset, p.len, p.dst)).collect();
+        assert_eq!(spans, vec![(0, 100, 15, 0), (0, 115, 5, 16), (1, 120, 8, 21)]);
+        assert_eq!(got[0].name, "a … b (2 tensors)");
+        assert_eq!(got[1].name, "c");
+        assert_eq!(got[2].name, "d … e (2 tensors)");
+    }
+}

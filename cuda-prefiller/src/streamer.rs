@@ -287,8 +287,8 @@ pub fn read_rate(gpu: &Arc<Gpu>, source: &dyn WeightSource, ck: &Checkpoint, rea
 
 /// Largest single host-to-device copy the streamer issues. On the H200 this did not let the
 /// compute stream's own small uploads (state, routing ids) overtake a queued layer: the H2D
-/// engine ran them after every piece submitted before them (docs/cuda.md, run 3); a window of
-/// pieces in flight is the next step.
+/// engine ran them after every piece submitted before them (docs/cuda.md, run 3);
+/// [`WeightStreamer::set_copy_window`] bounds the pieces in flight (not yet measured).
 pub const COPY_PIECE: usize = 64 << 20;
 
 /// Timing of one [`WeightStreamer::upload`].
@@ -310,6 +310,8 @@ pub struct WeightStreamer {
     readers: usize,
     /// Reads are split into pieces of at most this many bytes across the reader threads.
     piece: usize,
+    /// [`WeightStreamer::set_copy_window`].
+    copy_window: Option<usize>,
 }
 
 impl WeightStreamer {
@@ -319,7 +321,13 @@ impl WeightStreamer {
         let a = gpu.pinned(stage_bytes)?;
         let b = gpu.pinned(stage_bytes)?;
         tracing::info!(mib = (2 * stage_bytes) >> 20, ms = t0.elapsed().as_millis() as u64, "pinned staging allocated");
-        Ok(WeightStreamer { gpu, staging: [a, b], drained: [None, None], next: 0, readers: readers.max(1), piece: 8 << 20 })
+        Ok(WeightStreamer { gpu, staging: [a, b], drained: [None, None], next: 0, readers: readers.max(1), piece: 8 << 20, copy_window: None })
+    }
+
+    /// At most `pieces` copies of [`COPY_PIECE`] in flight from a page-locked source (the calling
+    /// thread waits for older ones first); `None`: no limit.
+    pub fn set_copy_window(&mut self, pieces: Option<usize>) {
+        self.copy_window = pieces.map(|p| p.max(1));
     }
 
     pub fn stage_bytes(&self) -> usize {
@@ -340,13 +348,26 @@ impl WeightStreamer {
         let mut stats = UploadStats::default();
         // page-locked sources: DMA straight from them
         if parts.iter().all(|p| src.pinned(p.src, p.offset, p.len).is_some()) {
+            let mut in_flight: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
             for p in parts {
                 let ptr = src.pinned(p.src, p.offset, p.len).expect("checked above");
                 for o in (0..p.len).step_by(COPY_PIECE) {
                     let n = COPY_PIECE.min(p.len - o);
+                    if let Some(w) = self.copy_window {
+                        while in_flight.len() >= w {
+                            let t0 = Instant::now();
+                            in_flight.pop_front().expect("non-empty").sync()?;
+                            stats.stall_s += t0.elapsed().as_secs_f64();
+                        }
+                    }
                     // SAFETY: `pinned` vouches for a page-locked range; the source keeps it alive
                     // and unchanged for the streamer's lifetime.
                     unsafe { self.gpu.htod_async_raw(dst + (p.dst + o) as u64, ptr.add(o), n, copy)? };
+                    if self.copy_window.is_some() {
+                        let e = self.gpu.event()?;
+                        e.record(copy)?;
+                        in_flight.push_back(e);
+                    }
                 }
                 stats.bytes += p.len;
             }
@@ -461,11 +482,14 @@ pub struct StreamOptions {
     pub expert_chunk: Option<usize>,
     /// Where the shards are read from.
     pub weights_from: WeightsFrom,
+    /// Pinned sources: at most this many 64 MiB copies in flight (`--copy-window`; `None`: all
+    /// of a unit's copies are queued at once).
+    pub copy_window: Option<usize>,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { vram_budget: None, readers: default_readers(), stage_bytes: 256 << 20, expert_chunk: None, weights_from: WeightsFrom::PageCache }
+        StreamOptions { vram_budget: None, readers: default_readers(), stage_bytes: 256 << 20, expert_chunk: None, weights_from: WeightsFrom::PageCache, copy_window: None }
     }
 }
 
@@ -579,7 +603,8 @@ impl StreamedWeights {
         }
         let biggest = (0..plan.units.len()).map(|u| plan.unit_bytes(u)).max().unwrap_or(0);
         let stage = opts.stage_bytes.min(biggest.next_multiple_of(1 << 20)).max(1 << 20);
-        let streamer = WeightStreamer::new(gpu.clone(), stage, opts.readers)?;
+        let mut streamer = WeightStreamer::new(gpu.clone(), stage, opts.readers)?;
+        streamer.set_copy_window(opts.copy_window);
         let source: Arc<dyn WeightSource> = match opts.weights_from {
             WeightsFrom::PageCache => Arc::new(ShardFiles::open(&model.ck)?),
             WeightsFrom::PinHost => Arc::new(PinnedShards::load(&gpu, &model.ck, opts.readers)?),

@@ -163,6 +163,16 @@ struct Rates {
     source_limit_gbs: f64,
 }
 
+impl Rates {
+    fn line(&self) -> String {
+        let read = if self.source_read_gbs.is_nan() { "not read (already page-locked)".to_string() } else { format!("read {:.1} GB/s", self.source_read_gbs) };
+        format!(
+            "measured in this run: pinned H2D {:.1} GB/s, BF16 GEMM {:.0} TFLOP/s; weights from {}: {read}, source limit {:.1} GB/s",
+            self.pinned_h2d_gbs, self.bf16_gemm_tflops, self.weights_from, self.source_limit_gbs
+        )
+    }
+}
+
 fn measure_rates(b: &CudaBackend, ck: &k3_protocol::Checkpoint, sw: Option<&crate::streamer::StreamedWeights>, readers: usize, probe_gb: f64) -> Result<Rates> {
     let g = &b.gpu;
     let mut r = Rates::default();
@@ -287,10 +297,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         None => None,
     };
     if let Some(r) = &rates {
-        eprintln!(
-            "measured in this run: pinned H2D {:.1} GB/s, BF16 GEMM {:.0} TFLOP/s; weights from {}: read {:.1} GB/s, limit {:.1} GB/s",
-            r.pinned_h2d_gbs, r.bf16_gemm_tflops, r.weights_from, r.source_read_gbs, r.source_limit_gbs
-        );
+        eprintln!("{}", r.line());
     }
     let cfg = model.cfg.clone();
     let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
@@ -420,10 +427,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         }
     }
     if let Some(r) = &rates {
-        println!(
-            "\nmeasured in this run: pinned H2D {:.1} GB/s, BF16 GEMM {:.0} TFLOP/s; weights from {}: read {:.1} GB/s, source limit {:.1} GB/s",
-            r.pinned_h2d_gbs, r.bf16_gemm_tflops, r.weights_from, r.source_read_gbs, r.source_limit_gbs
-        );
+        println!("\n{}", r.line());
     }
     println!(
         "\n{:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>9} {:>8}",

@@ -91,6 +91,10 @@ pub struct StreamArgs {
     /// cache; the file system must support direct I/O).
     #[arg(long)]
     pub direct_io: bool,
+    /// CUDA, with --pin-host: at most this many 64 MiB weight copies in flight, so the compute
+    /// stream's own small uploads do not queue behind a whole layer (default: no limit).
+    #[arg(long)]
+    pub copy_window: Option<usize>,
 }
 
 impl StreamArgs {
@@ -109,12 +113,13 @@ impl StreamArgs {
             } else {
                 WeightsFrom::PageCache
             },
+            copy_window: self.copy_window,
         })
     }
 
     /// Whether any streaming option was given (they only apply to the CUDA backend).
     pub fn given(&self) -> bool {
-        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some() || self.pin_host || self.direct_io
+        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some() || self.pin_host || self.direct_io || self.copy_window.is_some()
     }
 }
 
