@@ -54,3 +54,47 @@ fn generate_from_ids_and_from_state_prints_and_writes_the_golden_tokens() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("99999") && err.contains("vocabulary"), "{err}");
 }
+
+/// Issue 21: SIGTERM skipped the graceful shutdown of `k3-decode serve` (the process died by the
+/// signal). It now stops accepting, finishes what runs, and exits 0 with a log line.
+#[cfg(unix)]
+#[test]
+fn serve_shuts_down_gracefully_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = k3_protocol::synth::SynthOptions::new(k3_protocol::synth::Preset::Tiny);
+    o.seed = 5;
+    k3_protocol::synth::write_model(dir.path(), &o).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3-decode"))
+        .args(["serve", "--model"])
+        .arg(dir.path())
+        .args(["--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let t0 = std::time::Instant::now();
+    let mut log = String::new();
+    loop {
+        let line = lines.next().expect("k3-decode serve ended before serving").unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("serving the OpenAI API") {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 120, "not serving after 120 s:\n{log}");
+    }
+    let st = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(st.success());
+    for line in lines.map_while(Result::ok) {
+        log.push_str(&line);
+        log.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert!(status.success(), "k3-decode serve ended with {status:?} on SIGTERM:\n{log}");
+    assert!(log.contains("SIGTERM: shutting down"), "{log}");
+}

@@ -359,7 +359,7 @@ async fn bad_requests_get_openai_errors() {
     let s = start(None).await;
     let client = reqwest::Client::new();
     // Malformed JSON.
-    let r = client.post(format!("{}/v1/chat/completions", s.base)).body("{not json").send().await.unwrap();
+    let r = client.post(format!("{}/v1/chat/completions", s.base)).header("content-type", "application/json").body("{not json").send().await.unwrap();
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");

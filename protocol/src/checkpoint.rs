@@ -4,7 +4,6 @@
 //! reported at once, each naming the tensor and shard.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -84,6 +83,8 @@ pub struct Checkpoint {
     config: K3Config,
     shards: Vec<Shard>,
     entries: HashMap<String, TensorEntry>,
+    /// Weight digests and per-layer verification (see [`crate::fingerprint`]).
+    identity: crate::fingerprint::IdentityCache,
 }
 
 #[derive(Deserialize)]
@@ -174,7 +175,8 @@ impl Checkpoint {
         let config = K3Config::load(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
         let io = |path: &Path, source| CheckpointError::Io { path: path.display().to_string(), source };
-        let text = std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, e))?;
+        let text = crate::files::read_regular_to_string(&index_path, crate::config::limits::JSON_FILE_BYTES)
+            .map_err(|e| io(&index_path, e))?;
         let index: IndexFile = serde_json::from_str(&text)
             .map_err(|e| CheckpointError::Index { path: index_path.display().to_string(), msg: e.to_string() })?;
         let _ = index.metadata;
@@ -192,7 +194,7 @@ impl Checkpoint {
                 });
             }
             let path = dir.join(sname);
-            let file = File::open(&path).map_err(|e| CheckpointError::Shard {
+            let file = crate::files::open_regular(&path).map_err(|e| CheckpointError::Shard {
                 shard: sname.clone(),
                 msg: format!("missing or unreadable ({e}); the index lists it for {} tensor(s)",
                     index.weight_map.values().filter(|s| *s == sname).count()),
@@ -218,7 +220,7 @@ impl Checkpoint {
         if !problems.is_empty() {
             return Err(CheckpointError::Invalid { dir: dir.display().to_string(), problems });
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), config, shards, entries })
+        Ok(Checkpoint { dir: dir.to_path_buf(), config, shards, entries, identity: Default::default() })
     }
 
     /// Checks every expected tensor's presence, shape and dtype; unknown tensors become warnings.
@@ -276,6 +278,14 @@ impl Checkpoint {
 
     pub fn entry(&self, name: &str) -> Option<&TensorEntry> {
         self.entries.get(name)
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    pub(crate) fn identity(&self) -> &crate::fingerprint::IdentityCache {
+        &self.identity
     }
 
     pub fn shard_name(&self, shard: usize) -> &str {

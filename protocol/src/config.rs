@@ -17,6 +17,25 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// Upper bounds on config sizes, checked before anything is allocated by them. Each is far above
+/// the release (93 layers, hidden 7168, 896 experts, vocab 163,840, heads of 128) and far below
+/// what would exhaust memory building the tensor list or the hand-off state.
+pub mod limits {
+    pub const LAYERS: usize = 1024;
+    pub const WIDTH: usize = 1 << 18;
+    pub const VOCAB: usize = 1 << 23;
+    pub const HEADS: usize = 1024;
+    pub const HEAD_DIM: usize = 1024;
+    pub const CONV_KERNEL: usize = 64;
+    pub const EXPERTS: usize = 1 << 14;
+    /// Layers × routed experts (the release has 93 × 896 = 83,328).
+    pub const LAYER_EXPERTS: usize = 1 << 20;
+    pub const PATCH: usize = 256;
+    pub const POS_TABLE: usize = 4096;
+    /// `config.json` and the index are read whole; larger files are refused unread.
+    pub const JSON_FILE_BYTES: u64 = 256 << 20;
+}
+
 /// Top-level `config.json` of `KimiK3ForConditionalGeneration`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct K3Config {
@@ -274,7 +293,7 @@ impl K3Config {
     /// Reads and validates `DIR/config.json`.
     pub fn load(dir: &Path) -> Result<Self, ConfigError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
+        let text = crate::files::read_regular_to_string(&path, limits::JSON_FILE_BYTES)
             .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
         Self::from_json(&text).map_err(|e| match e {
             ConfigError::Json { source, .. } => ConfigError::Json { path: path.display().to_string(), source },
@@ -304,6 +323,12 @@ impl TextConfig {
         let la = &self.linear_attn_config;
         if n == 0 {
             problems.push("num_hidden_layers is 0".to_string());
+        }
+        // Bounds first: later checks, the tensor list and the state allocate by these sizes.
+        let out_of_range = self.out_of_range();
+        if !out_of_range.is_empty() {
+            problems.extend(out_of_range);
+            return Err(ConfigError::Invalid(problems.join("; ")));
         }
         let mut seen = vec![0u8; n];
         for (list, name) in [(&la.kda_layers, "kda_layers"), (&la.full_attn_layers, "full_attn_layers")] {
@@ -415,6 +440,48 @@ impl TextConfig {
         }
     }
 
+    /// Sizes beyond [`limits`]: each names the field, its value and the bound. Checked before
+    /// anything is allocated by them (a hostile or mistyped `num_hidden_layers: 1000000000` must be
+    /// an error, not an allocation failure).
+    fn out_of_range(&self) -> Vec<String> {
+        let la = &self.linear_attn_config;
+        let mut p = Vec::new();
+        let mut bound = |field: &str, v: usize, max: usize| {
+            if v > max {
+                p.push(format!("{field} = {v} exceeds the supported maximum {max}"));
+            }
+        };
+        bound("num_hidden_layers", self.num_hidden_layers, limits::LAYERS);
+        bound("hidden_size", self.hidden_size, limits::WIDTH);
+        bound("vocab_size", self.vocab_size, limits::VOCAB);
+        bound("intermediate_size", self.intermediate_size, limits::WIDTH);
+        bound("num_attention_heads", self.num_attention_heads, limits::HEADS);
+        bound("q_lora_rank", self.q_lora_rank, limits::WIDTH);
+        bound("kv_lora_rank", self.kv_lora_rank, limits::WIDTH);
+        bound("qk_nope_head_dim", self.qk_nope_head_dim, limits::HEAD_DIM);
+        bound("qk_rope_head_dim", self.qk_rope_head_dim, limits::HEAD_DIM);
+        bound("v_head_dim", self.v_head_dim, limits::HEAD_DIM);
+        bound("linear_attn_config.num_heads", la.num_heads, limits::HEADS);
+        bound("linear_attn_config.head_dim", la.head_dim, limits::HEAD_DIM);
+        bound("linear_attn_config.short_conv_kernel_size", la.short_conv_kernel_size, limits::CONV_KERNEL);
+        bound("linear_attn_config.kda_layers (length)", la.kda_layers.len(), limits::LAYERS);
+        bound("linear_attn_config.full_attn_layers (length)", la.full_attn_layers.len(), limits::LAYERS);
+        bound("num_experts", self.num_experts, limits::EXPERTS);
+        bound("num_shared_experts", self.num_shared_experts, limits::EXPERTS);
+        bound("moe_intermediate_size", self.moe_intermediate_size, limits::WIDTH);
+        bound("routed_expert_hidden_size", self.routed_expert_hidden_size, limits::WIDTH);
+        bound("num_nextn_predict_layers", self.num_nextn_predict_layers, limits::LAYERS);
+        if p.is_empty() && self.num_hidden_layers.saturating_mul(self.num_experts) > limits::LAYER_EXPERTS {
+            p.push(format!(
+                "num_hidden_layers × num_experts = {} × {} exceeds the supported maximum {} expert instances",
+                self.num_hidden_layers,
+                self.num_experts,
+                limits::LAYER_EXPERTS
+            ));
+        }
+        p
+    }
+
     /// The per-layer plan. The config's lists are 1-based: `is_kda(l) ⇔ (l+1) ∈ kda_layers`.
     pub fn layer_plan(&self) -> Vec<LayerSpec> {
         let la = &self.linear_attn_config;
@@ -470,6 +537,27 @@ impl TextConfig {
 impl VisionConfig {
     pub fn validate(&self, text_hidden: usize) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
+        let mut bound = |field: &str, v: usize, max: usize| {
+            if v > max {
+                problems.push(format!("vision_config.{field} = {v} exceeds the supported maximum {max}"));
+            }
+        };
+        bound("patch_size", self.patch_size, limits::PATCH);
+        bound("vt_hidden_size", self.vt_hidden_size, limits::WIDTH);
+        bound("vt_num_hidden_layers", self.vt_num_hidden_layers, limits::LAYERS);
+        bound("vt_num_attention_heads", self.vt_num_attention_heads, limits::HEADS);
+        bound("qkv_hidden_size", self.qkv_hidden_size, limits::WIDTH);
+        bound("vt_intermediate_size", self.vt_intermediate_size, limits::WIDTH);
+        bound("init_pos_emb_height", self.init_pos_emb_height, limits::POS_TABLE);
+        bound("init_pos_emb_width", self.init_pos_emb_width, limits::POS_TABLE);
+        bound("init_pos_emb_time", self.init_pos_emb_time, limits::POS_TABLE);
+        bound("merge_kernel_size[0]", self.merge_kernel_size[0], limits::PATCH);
+        bound("merge_kernel_size[1]", self.merge_kernel_size[1], limits::PATCH);
+        bound("mm_hidden_size", self.mm_hidden_size, limits::WIDTH);
+        bound("text_hidden_size", self.text_hidden_size, limits::WIDTH);
+        if !problems.is_empty() {
+            return Err(ConfigError::Invalid(problems.join("; ")));
+        }
         if self.vt_num_attention_heads == 0 || self.qkv_hidden_size % self.vt_num_attention_heads != 0 {
             problems.push(format!(
                 "vision_config.qkv_hidden_size {} is not divisible by vt_num_attention_heads {}",

@@ -1,9 +1,29 @@
-//! A stable model fingerprint: SHA-256 over the typed config and the tensor index (names,
-//! dtypes, shapes, sizes; not the data). Both nodes compare it before exchanging state.
+//! Model identities: what both nodes compare before exchanging state, and what a checkpoint is
+//! checked against as it is used. One module, one hash (SHA-256), one type ([`Fingerprint`]):
+//!
+//! - [`Checkpoint::fingerprint`] — **the model fingerprint** (v2): the typed config, the tensor
+//!   index (names, dtypes, shapes) and the SHA-256 of every tensor's bytes. Two checkpoints with
+//!   equal configs but different weights (another seed, a fine-tune, a revision, a damaged shard)
+//!   differ. The weight digests are computed once per checkpoint ([`WeightDigest`]: parallel,
+//!   with a progress bar) and cached beside it, keyed by each shard's size and mtime.
+//! - [`Checkpoint::index_fingerprint`] — config and tensor index only (the v1 fingerprint): equal
+//!   for any two checkpoints of one architecture, whatever their weights.
+//! - [`Checkpoint::verify_layer`] — the weight bytes of one layer against the digest (CRC32C,
+//!   several GB/s per core), once per layer per process, so a shard damaged after the digest was
+//!   made is refused at its first use instead of computing with it.
+//!
+//! Other identities (e.g. which hand-off states are compatible) belong here too, built from the
+//! same pieces.
 
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::K3Config;
 
 /// 32-byte model fingerprint.
@@ -36,11 +56,11 @@ impl std::fmt::Display for Fingerprint {
     }
 }
 
-/// Fingerprint of a config and a list of `(name, dtype, shape)` entries (order-independent).
-pub fn fingerprint_of(config: &K3Config, tensors: &mut [(String, &'static str, Vec<usize>)]) -> Fingerprint {
+/// One entry of a tensor index: name, dtype name, shape.
+pub type IndexEntry = (String, &'static str, Vec<usize>);
+
+fn hash_index(h: &mut Sha256, config: &K3Config, tensors: &mut [IndexEntry], weights: Option<&WeightDigest>) {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut h = Sha256::new();
-    h.update(b"k3-offload model fingerprint v1\n");
     // The typed config re-serialised: independent of key order and whitespace in the file.
     h.update(serde_json::to_vec(config).expect("config serialises"));
     h.update(b"\n");
@@ -51,21 +71,272 @@ pub fn fingerprint_of(config: &K3Config, tensors: &mut [(String, &'static str, V
         for d in shape {
             h.update((*d as u64).to_le_bytes());
         }
+        if let Some(w) = weights {
+            match w.tensors.get(name) {
+                Some(t) => h.update(t.sha256.as_bytes()),
+                None => h.update(b"<no digest>"),
+            }
+        }
         h.update([b'\n']);
     }
+}
+
+/// Index fingerprint (v1) of a config and a list of `(name, dtype, shape)` entries
+/// (order-independent): no weight bytes.
+pub fn fingerprint_of(config: &K3Config, tensors: &mut [IndexEntry]) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"k3-offload model fingerprint v1\n");
+    hash_index(&mut h, config, tensors, None);
     Fingerprint(h.finalize().into())
 }
 
+/// Model fingerprint (v2): config, index and every tensor's weight digest.
+pub fn model_fingerprint_of(config: &K3Config, tensors: &mut [IndexEntry], weights: &WeightDigest) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"k3-offload model fingerprint v2 (config, index, weights)\n");
+    hash_index(&mut h, config, tensors, Some(weights));
+    Fingerprint(h.finalize().into())
+}
+
+/// Digest of one tensor's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorDigest {
+    /// SHA-256 over the SHA-256 of each [`PIECE`]-byte piece (hex): the identity.
+    pub sha256: String,
+    /// CRC32C of all bytes: the fast check on use.
+    pub crc32c: u32,
+    pub bytes: u64,
+}
+
+/// Size, mtime and name of one shard when its digests were made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardStamp {
+    pub name: String,
+    pub size: u64,
+    pub mtime_ns: u128,
+}
+
+/// The digests of every tensor of a checkpoint, and the shard stamps they were made from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightDigest {
+    pub version: u32,
+    pub shards: Vec<ShardStamp>,
+    pub tensors: HashMap<String, TensorDigest>,
+}
+
+/// Bytes hashed per task (a tensor larger than this is split; its pieces hash in parallel).
+pub const PIECE: usize = 16 << 20;
+const DIGEST_VERSION: u32 = 1;
+/// The cache beside the checkpoint.
+pub const DIGEST_FILE: &str = ".k3-weights.digest.json";
+/// Models smaller than this hash without a progress bar.
+const PROGRESS_FROM_BYTES: u64 = 256 << 20;
+
+/// The digest cache of one checkpoint's weights, and the per-layer verification state.
+#[derive(Default)]
+pub(crate) struct IdentityCache {
+    digest: OnceLock<WeightDigest>,
+    /// `Some(result)` once a layer was verified in this process.
+    layers: std::sync::Mutex<HashMap<usize, Result<(), String>>>,
+}
+
+fn stamp(path: &Path, name: &str) -> Option<ShardStamp> {
+    let m = std::fs::metadata(path).ok()?;
+    let mtime_ns = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos();
+    Some(ShardStamp { name: name.to_string(), size: m.len(), mtime_ns })
+}
+
+/// Where the digest of `dir` is cached when `dir` is not writable.
+fn fallback_cache_path(dir: &Path) -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    let canon = std::fs::canonicalize(dir).ok()?;
+    let key = hex::encode(Sha256::digest(canon.to_string_lossy().as_bytes()));
+    Some(base.join("k3-offload").join("weight-digests").join(format!("{}.json", &key[..32])))
+}
+
 impl Checkpoint {
-    /// The fingerprint of this checkpoint's config and tensor index.
+    /// The index fingerprint (v1): config and tensor index, not the weights.
+    pub fn index_fingerprint(&self) -> Fingerprint {
+        fingerprint_of(self.config(), &mut self.index_entries())
+    }
+
+    /// The model fingerprint (v2): config, tensor index and weight bytes. The first call per
+    /// checkpoint hashes every tensor (or reads the cache beside it); later calls are free.
     pub fn fingerprint(&self) -> Fingerprint {
-        let mut list: Vec<(String, &'static str, Vec<usize>)> = self
-            .tensor_names()
+        model_fingerprint_of(self.config(), &mut self.index_entries(), self.weight_digest())
+    }
+
+    fn index_entries(&self) -> Vec<IndexEntry> {
+        self.tensor_names()
             .map(|n| {
                 let e = self.entry(n).expect("listed");
                 (n.to_string(), e.dtype.name(), e.shape.clone())
             })
+            .collect()
+    }
+
+    fn shard_stamps(&self) -> Vec<ShardStamp> {
+        (0..self.shard_count())
+            .map(|i| {
+                let name = self.shard_name(i);
+                stamp(&self.dir().join(name), name).unwrap_or(ShardStamp { name: name.to_string(), size: 0, mtime_ns: 0 })
+            })
+            .collect()
+    }
+
+    /// Whether a cached digest describes this checkpoint as it is now: the same shards (name,
+    /// size, mtime) and the same tensors with the same byte counts.
+    fn digest_fits(&self, d: &WeightDigest, stamps: &[ShardStamp]) -> bool {
+        d.version == DIGEST_VERSION
+            && d.shards == stamps
+            && d.tensors.len() == self.tensor_names().count()
+            && self.tensor_names().all(|n| {
+                let e = self.entry(n).expect("listed");
+                d.tensors.get(n).is_some_and(|t| t.bytes == (e.end - e.start) as u64)
+            })
+    }
+
+    /// The weight digests: from memory, else the cache beside the checkpoint (or in
+    /// `~/.cache/k3-offload/weight-digests/`) if it still fits, else computed and cached.
+    pub fn weight_digest(&self) -> &WeightDigest {
+        self.identity().digest.get_or_init(|| {
+            let stamps = self.shard_stamps();
+            let beside = self.dir().join(DIGEST_FILE);
+            let fallback = fallback_cache_path(self.dir());
+            for path in std::iter::once(beside.clone()).chain(fallback.clone()) {
+                let Ok(bytes) = crate::files::read_regular(&path, 1 << 30) else { continue };
+                match serde_json::from_slice::<WeightDigest>(&bytes) {
+                    Ok(d) if self.digest_fits(&d, &stamps) => {
+                        tracing::debug!(path = %path.display(), "weight digest from the cache");
+                        return d;
+                    }
+                    Ok(_) => tracing::info!(path = %path.display(), "the checkpoint changed since its weight digest was cached; hashing again"),
+                    Err(e) => tracing::warn!(path = %path.display(), "unreadable weight digest cache ({e}); hashing again"),
+                }
+            }
+            let d = self.compute_weight_digest(stamps);
+            let text = serde_json::to_vec(&d).expect("digest serialises");
+            let written = std::iter::once(beside).chain(fallback).find(|p| {
+                // Unique per process and call: concurrent openers each write whole files.
+                static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let tmp = p.with_extension(format!("json.{}.{n}.tmp", std::process::id()));
+                let ok = p.parent().is_some_and(|dir| std::fs::create_dir_all(dir).is_ok())
+                    && std::fs::write(&tmp, &text).is_ok()
+                    && std::fs::rename(&tmp, p).is_ok();
+                if !ok {
+                    let _ = std::fs::remove_file(&tmp);
+                }
+                ok
+            });
+            match written {
+                Some(p) => tracing::info!(path = %p.display(), "weight digest cached"),
+                None => tracing::warn!(dir = %self.dir().display(), "could not cache the weight digest; it will be computed again next time"),
+            }
+            d
+        })
+    }
+
+    /// Hashes every tensor: pieces of [`PIECE`] bytes on the rayon pool, a progress bar for
+    /// large models.
+    fn compute_weight_digest(&self, shards: Vec<ShardStamp>) -> WeightDigest {
+        let names: Vec<&str> = self.tensor_names().collect();
+        let mut tasks: Vec<(usize, usize)> = Vec::new(); // (tensor index, piece index)
+        let mut total = 0u64;
+        for (i, n) in names.iter().enumerate() {
+            let len = self.tensor(n).expect("listed").bytes.len();
+            total += len as u64;
+            for p in 0..len.div_ceil(PIECE).max(1) {
+                tasks.push((i, p));
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let bar = if total >= PROGRESS_FROM_BYTES {
+            let b = indicatif::ProgressBar::new(total);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("hashing weights {bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
+                    .expect("template"),
+            );
+            b
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        let pieces: Vec<([u8; 32], u32, usize)> = tasks
+            .par_iter()
+            .map(|&(i, p)| {
+                let bytes = self.tensor(names[i]).expect("listed").bytes;
+                let piece = &bytes[(p * PIECE).min(bytes.len())..((p + 1) * PIECE).min(bytes.len())];
+                let out = (Sha256::digest(piece).into(), crc32c::crc32c(piece), piece.len());
+                bar.inc(piece.len() as u64);
+                out
+            })
             .collect();
-        fingerprint_of(self.config(), &mut list)
+        bar.finish_and_clear();
+        let mut tensors = HashMap::with_capacity(names.len());
+        let mut k = 0;
+        for (i, n) in names.iter().enumerate() {
+            let mut h = Sha256::new();
+            let mut crc = 0u32;
+            let mut bytes = 0u64;
+            while k < tasks.len() && tasks[k].0 == i {
+                let (sha, c, len) = pieces[k];
+                h.update(sha);
+                crc = if bytes == 0 { c } else { crc32c::crc32c_combine(crc, c, len) };
+                bytes += len as u64;
+                k += 1;
+            }
+            tensors.insert(n.to_string(), TensorDigest { sha256: hex::encode(h.finalize()), crc32c: crc, bytes });
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            tensors = names.len(),
+            bytes = total,
+            seconds = secs,
+            "hashed the checkpoint's weights ({:.2} GB/s)",
+            total as f64 / secs.max(1e-9) / 1e9
+        );
+        WeightDigest { version: DIGEST_VERSION, shards, tensors }
+    }
+
+    /// Checks one tensor's bytes against its digest (CRC32C).
+    pub fn verify_tensor(&self, name: &str) -> Result<(), CheckpointError> {
+        let v = self.tensor(name)?;
+        let want = self.weight_digest().tensors.get(name).ok_or_else(|| CheckpointError::Tensor {
+            name: name.to_string(),
+            msg: "has no weight digest".into(),
+        })?;
+        let got = crc32c::crc32c(v.bytes);
+        if got != want.crc32c || v.bytes.len() as u64 != want.bytes {
+            return Err(CheckpointError::Tensor {
+                name: name.to_string(),
+                msg: format!(
+                    "bytes in {} differ from the weight digest the model fingerprint was made from (crc32c {got:08x}, \
+                     expected {:08x}): the shard changed or is damaged; refusing to use it",
+                    v.shard, want.crc32c
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks every tensor of decoder layer `layer` against the digest, the first time it is
+    /// asked for in this process (later calls return the first answer at once).
+    pub fn verify_layer(&self, layer: usize) -> Result<(), CheckpointError> {
+        if let Some(r) = self.identity().layers.lock().expect("not poisoned").get(&layer) {
+            return r.clone().map_err(|msg| CheckpointError::Tensor { name: format!("layer {layer}"), msg });
+        }
+        let prefix = crate::tensors::layer_tensor(layer, "");
+        let names: Vec<&str> = self.tensor_names().filter(|n| n.starts_with(&prefix)).collect();
+        let r = names.par_iter().try_for_each(|n| self.verify_tensor(n)).map_err(|e| e.to_string());
+        self.identity().layers.lock().expect("not poisoned").insert(layer, r.clone());
+        r.map_err(|msg| CheckpointError::Tensor { name: format!("layer {layer}"), msg })
+    }
+
+    /// Checks every tensor against the digest (`k3-prefill inspect --verify`).
+    pub fn verify_all(&self) -> Result<(), CheckpointError> {
+        let names: Vec<&str> = self.tensor_names().collect();
+        names.par_iter().try_for_each(|n| self.verify_tensor(n))
     }
 }

@@ -174,7 +174,40 @@ pub struct SessionMeta {
     pub token_prefix_hash: String,
 }
 
-pub const SESSION_FORMAT_VERSION: &str = "1";
+/// Version 2 adds `checksum`; version 1 files (no checksum) still load, with a warning.
+pub const SESSION_FORMAT_VERSION: &str = "2";
+
+/// SHA-256 over a session's metadata (all but `checksum`, sorted by key) and every tensor
+/// (sorted by name: name, dtype, shape, bytes), hex. Stored as the `checksum` metadata entry, so
+/// a flipped bit anywhere in the latent rows or the metadata is found on loading.
+fn session_checksum<'a>(
+    md: &HashMap<String, String>,
+    tensors: impl Iterator<Item = (&'a str, String, &'a [usize], &'a [u8])>,
+) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"k3-offload session checksum v1\n");
+    let mut keys: Vec<&String> = md.keys().filter(|k| k.as_str() != "checksum").collect();
+    keys.sort();
+    for k in keys {
+        for part in [k.as_bytes(), b"=", md[k].as_bytes(), b"\n"] {
+            h.update(part);
+        }
+    }
+    let mut ts: Vec<_> = tensors.collect();
+    ts.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, dtype, shape, bytes) in ts {
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(dtype.as_bytes());
+        for d in shape {
+            h.update((*d as u64).to_le_bytes());
+        }
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    hex::encode(h.finalize())
+}
 
 /// Hash of a token prefix, as carried in session files and prefill requests.
 pub fn token_prefix_hash(tokens: &[u32]) -> String {
@@ -212,6 +245,11 @@ pub fn save_session(
         md.insert("fingerprint".to_string(), m.fingerprint.hex());
         md.insert("token_prefix_hash".to_string(), m.token_prefix_hash.clone());
     }
+    let sum = session_checksum(
+        &md,
+        named.iter().chain(extra.iter()).map(|(n, shape, data)| (n.as_str(), format!("{:?}", StDtype::F32), &shape[..], f32_bytes(data))),
+    );
+    md.insert("checksum".to_string(), sum);
     safetensors::serialize_to_file(views, Some(md), path).map_err(|e| err(e.to_string()))
 }
 
@@ -227,10 +265,33 @@ pub struct SessionFile {
 /// Loads a session file (or a golden file: the same names) for a model, checking every shape.
 pub fn load_session(path: &Path, c: &TextConfig) -> Result<SessionFile, HandoffError> {
     let err = |msg: String| HandoffError::File { path: path.display().to_string(), msg };
-    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    let bytes = {
+        use std::io::Read;
+        let mut f = crate::files::open_regular(path).map_err(|e| err(e.to_string()))?;
+        let mut b = Vec::new();
+        f.read_to_end(&mut b).map_err(|e| err(e.to_string()))?;
+        b
+    };
     let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| err(e.to_string()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
     let md = header.metadata().clone().unwrap_or_default();
+    let ours = md.get("format").is_some_and(|f| f == "k3-offload-session");
+    match md.get("checksum") {
+        Some(want) => {
+            let tensors = st.tensors();
+            let got = session_checksum(&md, tensors.iter().map(|(n, t)| (n.as_str(), format!("{:?}", t.dtype()), t.shape(), t.data())));
+            if &got != want {
+                return Err(err(format!(
+                    "checksum mismatch (file says {want}, contents give {got}): the file is damaged or was edited"
+                )));
+            }
+        }
+        None if ours && md.get("format_version").is_some_and(|v| v != "1") => {
+            return Err(err("format_version 2 requires a checksum, and this file has none".into()));
+        }
+        None if ours => tracing::warn!(path = %path.display(), "session file of format version 1 carries no checksum; its contents are not verified"),
+        None => {}
+    }
     let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, HandoffError> {
         let t = st.tensor(name).map_err(|_| err(format!("tensor {name} missing")))?;
         if t.dtype() != StDtype::F32 || t.shape() != shape {
@@ -240,7 +301,10 @@ pub fn load_session(path: &Path, c: &TextConfig) -> Result<SessionFile, HandoffE
     };
     let mut state = HandoffState::empty(c);
     // Token count: metadata if present, else the MLA row count.
-    let mut tokens: Option<usize> = md.get("tokens").and_then(|s| s.parse().ok());
+    let mut tokens: Option<usize> = match md.get("tokens") {
+        None => None,
+        Some(s) => Some(s.trim().parse().map_err(|_| err(format!("metadata tokens = {s:?} is not a token count")))?),
+    };
     let la = &c.linear_attn_config;
     let w = c.kda_width();
     let win = c.conv_window();

@@ -3,6 +3,7 @@
 //! - [`config`]: the release `config.json`, typed and validated, and the per-layer plan.
 //! - [`tensors`]: every checkpoint tensor derived from the config (names, shapes, dtypes).
 //! - [`checkpoint`]: the safetensors index and shards through memmap2, checked up front.
+//! - [`files`]: opening only regular files (a FIFO in place of a shard is refused, never waited on).
 //! - [`mxfp4`]: the compressed-tensors MXFP4 layout, decoded bit-exactly.
 //! - [`fingerprint`]: the model fingerprint both nodes compare.
 //! - [`handoff`]: the canonical hand-off state and its session file.
@@ -14,6 +15,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod files;
 pub mod fingerprint;
 pub mod handoff;
 pub mod mxfp4;

@@ -71,6 +71,10 @@ fn fingerprint_is_stable_and_sensitive() {
     let f1 = ck.fingerprint();
     let f2 = Checkpoint::open(&golden_dir("tiny-a")).unwrap().fingerprint();
     assert_eq!(f1, f2);
+    // The index fingerprint (config + tensor index) is what fingerprint_of computes; the model
+    // fingerprint adds the weight digests.
+    let f1 = ck.index_fingerprint();
+    assert_ne!(f1, f2);
     let mut cfg = ck.config().clone();
     cfg.text_config.rms_norm_eps = 1e-6;
     let mut list: Vec<(String, &'static str, Vec<usize>)> =

@@ -111,6 +111,100 @@ fn node_with_another_model() {
     assert!(node.snapshot().counters.handshake_failures >= 1);
 }
 
+/// Issue 21: a node with seed-2 weights and the same architecture matched the decoder's seed-1
+/// fingerprint and served a remote turn. The fingerprint now covers the weight bytes.
+#[test]
+fn node_with_other_weights_of_the_same_architecture() {
+    init_tracing();
+    let ours_dir = synth(1, |_| {});
+    let theirs_dir = synth(2, |_| {});
+    let (theirs, ours) = (fingerprint_of(theirs_dir.path()), fingerprint_of(ours_dir.path()));
+    assert_ne!(theirs, ours, "seed 1 and seed 2 weights give the same model fingerprint");
+    let (scfg, ccfg) = paired(theirs, ours);
+    let node = start_node(theirs_dir.path(), scfg, ServeOptions::default());
+    let engine = Engine::load(ours_dir.path()).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    expect_fallback(&engine, &mut remote, &prompt(72, 120, 1000), &["fingerprint mismatch", &theirs.hex()]);
+    assert_eq!(node.snapshot().counters.requests, 0, "no request reached the node");
+}
+
+/// A shard damaged after its digest was cached (size and mtime kept, as bit rot would): the
+/// fingerprint still matches, but the node checks each layer's bytes as it uses them and fails
+/// the transfer instead of sending state computed from the damaged weights.
+#[test]
+fn node_with_a_damaged_layer_refuses_to_use_it() {
+    init_tracing();
+    let dir = synth(3, |_| {});
+    let fp = fingerprint_of(dir.path()); // digest made and cached beside the checkpoint
+    let name = "language_model.model.layers.2.input_layernorm.weight";
+    let (path, at) = {
+        let ck = k3_protocol::Checkpoint::open(dir.path()).unwrap();
+        let e = ck.entry(name).unwrap().clone();
+        (dir.path().join(ck.shard_name(e.shard)), e.start + 1)
+    };
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::File::options().write(true).open(&path).unwrap().set_modified(mtime).unwrap();
+    assert_eq!(fingerprint_of(dir.path()), fp, "size and mtime kept: the cached digest is used");
+    let (scfg, ccfg) = paired(fp, fp);
+    let node = start_node(dir.path(), scfg, ServeOptions::default());
+    let engine = Engine::load(dir.path()).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    expect_fallback(&engine, &mut remote, &prompt(73, 120, 1000), &["remote prefill on", "weight digest"]);
+    assert!(node.snapshot().counters.layers_sent <= 2, "layers after the damaged one were sent");
+}
+
+/// Issue 21: a decoder request whose client left kept the node computing (a disconnect at 2 s
+/// still cost the node 25 s). A cancelled prefill now cancels the QUIC transfer; the node's
+/// worker stops at its next layer, and the decoder does not fall back to a local prefill.
+#[test]
+fn a_cancelled_request_stops_the_remote_prefill_within_a_layer() {
+    init_tracing();
+    let dir = golden_dir("tiny-a");
+    let fp = fingerprint_of(&dir);
+    let (scfg, ccfg) = paired(fp, fp);
+    let delay = Duration::from_millis(300);
+    let node = start_node(&dir, scfg, ServeOptions { layer_delay: delay, ..ServeOptions::default() });
+    let engine = Engine::load(&dir).unwrap();
+    let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
+    let flag = Arc::new(AtomicBool::new(false));
+    remote.set_cancel(Some(flag.clone()));
+    let metrics = node.metrics();
+    let f = flag.clone();
+    let canceller = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        while metrics.counters().layers_sent < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "the transfer never started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        f.store(true, Ordering::SeqCst);
+        Instant::now()
+    });
+    let mut conv = Conversation::new(&engine).unwrap();
+    let err = remote.prefill(&engine, &mut conv, &prompt(91, 200, 1000), None).err().expect("a cancelled prefill must not succeed");
+    let cancelled_at = canceller.join().unwrap();
+    let returned_s = cancelled_at.elapsed().as_secs_f64();
+    assert!(err.downcast_ref::<mac_decoder::remote::Cancelled>().is_some(), "{err:#}");
+    assert_eq!(conv.session().tokens(), 0, "nothing of the cancelled prefill reached the conversation");
+    assert!(returned_s < 3.0 * delay.as_secs_f64() + 1.0, "the decoder returned {returned_s:.2} s after the cancel");
+    // The node stops within about a layer: far fewer than all 9 layers are computed.
+    let t0 = Instant::now();
+    while node.snapshot().counters.failed == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the node never saw the transfer end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(delay * 3);
+    let sent = node.snapshot().counters.layers_sent;
+    assert!(sent <= 5, "the node sent {sent} of 9 layers after a cancel at 2");
+    // The connection stays usable: the next request is served remotely.
+    remote.set_cancel(None);
+    let mut conv = Conversation::new(&engine).unwrap();
+    let t = remote.prefill(&engine, &mut conv, &prompt(92, 60, 1000), None).unwrap();
+    assert_eq!(t.route, Route::Remote, "{}", t.reason);
+}
+
 #[test]
 fn corrupted_chunk_is_never_used() {
     init_tracing();

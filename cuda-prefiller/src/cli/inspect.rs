@@ -353,6 +353,24 @@ mod tests {
         Args { model: model.map(Path::to_path_buf), config: config.map(Path::to_path_buf), json: true }
     }
 
+    /// Issue 21: the fingerprint covered the config and the tensor index only, so checkpoints
+    /// of one architecture and different weights printed the same line.
+    #[test]
+    fn the_fingerprint_line_tells_weights_apart() {
+        let line = |seed: u64| {
+            let dir = tempfile::tempdir().unwrap();
+            let mut o = k3_protocol::synth::SynthOptions::new(k3_protocol::synth::Preset::Tiny);
+            o.seed = seed;
+            o.tokenizer = false;
+            k3_protocol::synth::write_model(dir.path(), &o).unwrap();
+            let text = render(&build(&args(Some(dir.path()), None)).unwrap());
+            text.lines().find(|l| l.starts_with("fingerprint")).unwrap().to_string()
+        };
+        let (a, b) = (line(1), line(2));
+        assert_ne!(a, b, "seeds 1 and 2 (equal configs, different weights) print the same fingerprint");
+        assert_eq!(a, line(1), "the fingerprint is a function of the bytes");
+    }
+
     #[test]
     fn golden_tiny_a_report() {
         let r = build(&args(Some(&golden_dir("tiny-a")), None)).unwrap();

@@ -126,6 +126,9 @@ fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
         if !args.listen.ip().is_loopback() {
             bail!("--insecure-dev works on loopback only; {} is not a loopback address", args.listen);
         }
+        if let Some(m) = args.metrics_listen.filter(|m| !m.ip().is_loopback()) {
+            bail!("--insecure-dev works on loopback only; --metrics-listen {m} is not a loopback address");
+        }
         return Ok((identity, PeerAuth::InsecureDev));
     }
     let mut pinned = PinnedPeers::load(&dir)?;
@@ -212,4 +215,33 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     eprintln!("k3-prefill: serving on {} (backend {name}, model {})", node.local_addr(), fingerprint.short());
     node.run_until_signal();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// Issue 21: an `--insecure-dev` node accepted `--metrics-listen 0.0.0.0`.
+    #[test]
+    fn insecure_dev_refuses_metrics_off_loopback() {
+        let dir = tempfile::tempdir().unwrap();
+        let parse = |metrics: &str| {
+            Cli::try_parse_from([
+                "serve", "--model", "m", "--listen", "127.0.0.1:0", "--insecure-dev", "--metrics-listen", metrics,
+                "--config-dir", dir.path().to_str().unwrap(),
+            ])
+            .unwrap()
+            .args
+        };
+        let e = peer_auth(&parse("0.0.0.0:9100")).err().expect("refused").to_string();
+        assert!(e.contains("--metrics-listen 0.0.0.0:9100") && e.contains("loopback"), "{e}");
+        assert!(matches!(peer_auth(&parse("127.0.0.1:9100")).unwrap().1, PeerAuth::InsecureDev));
+    }
 }

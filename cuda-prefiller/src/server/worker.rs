@@ -98,6 +98,9 @@ fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Jo
             if cancel.load(Ordering::Relaxed) {
                 anyhow::bail!("the transfer was cancelled");
             }
+            // The layer's weight bytes against the digest its fingerprint was made from (once
+            // per layer per process): a shard damaged since is refused before its state leaves.
+            model.ck.verify_layer(ev.layer)?;
             if !opts.layer_delay.is_zero() {
                 std::thread::sleep(opts.layer_delay);
             }

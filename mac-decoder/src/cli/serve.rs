@@ -38,6 +38,13 @@ pub struct Args {
     /// Tokens per local-prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// Without an API key only loopback `Host` / `Origin` values are served; also accept this
+    /// host name (repeatable).
+    #[arg(long = "allow-host")]
+    pub allow_hosts: Vec<String>,
+    /// `/v1/*` requests running at once; more get 429 with `Retry-After`.
+    #[arg(long, default_value_t = 64)]
+    pub max_concurrent_requests: usize,
 }
 
 #[cfg(not(feature = "mlx"))]
@@ -89,14 +96,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let api_key = args.api_key.clone().or_else(|| std::env::var("K3_API_KEY").ok()).filter(|k| !k.is_empty());
     let mut state = AppState::new(engine, tokenizer, metrics, model_id.clone(), api_key);
     state.default_chat_max_tokens = args.default_max_tokens;
+    state.guard.allowed_hosts = args.allow_hosts.clone();
+    state.guard.max_concurrent = args.max_concurrent_requests.max(1);
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, model = %model_id, "serving the OpenAI API");
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down");
+        // SIGINT or SIGTERM: stop accepting, let running requests finish, then exit 0.
+        #[cfg(unix)]
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        let shutdown = async move {
+            #[cfg(unix)]
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            }
+            #[cfg(not(unix))]
+            {
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::info!("shutting down");
+            }
         };
         crate::server::serve(listener, state, shutdown).await.context("HTTP server")
     })

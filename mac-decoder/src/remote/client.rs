@@ -78,6 +78,8 @@ pub struct RemotePrefiller {
     media_token: u32,
     client: Option<PrefillClient>,
     down: Option<Down>,
+    /// Set by the owner when the request being prefilled is abandoned (its client went away).
+    cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// A failed remote attempt: why, and whether the node's prefix for this conversation is gone.
@@ -85,6 +87,13 @@ struct Failure {
     reason: String,
     base_not_held: bool,
 }
+
+/// Why [`RemotePrefiller::prefill`] gave up without a fallback: the request was abandoned.
+#[derive(Debug, thiserror::Error)]
+#[error("prefill cancelled: {0}")]
+pub struct Cancelled(pub String);
+
+const CANCELLED: &str = "the request was cancelled";
 
 impl From<TransferError> for Failure {
     fn from(e: TransferError) -> Failure {
@@ -99,28 +108,62 @@ impl From<anyhow::Error> for Failure {
     }
 }
 
+/// The decoder's config dir (certificate and pinned peers).
+fn config_dir(opts: &RemoteOptions) -> PathBuf {
+    opts.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Decoder))
+}
+
+/// The `--prefill-fingerprint` values, parsed.
+fn explicit_pins(opts: &RemoteOptions) -> Result<Vec<CertFingerprint>> {
+    opts.prefill_fingerprints
+        .iter()
+        .map(|fp| CertFingerprint::parse(fp).ok_or_else(|| anyhow!("--prefill-fingerprint {fp}: expected sha256:<64 hex digits>")))
+        .collect()
+}
+
+/// Whom the decoder trusts. An explicit `--prefill-fingerprint` REPLACES the saved pins for this
+/// run (a node with another certificate is refused, even one paired before), and is written to
+/// `pinned-peers.txt` only once a node has proved it holds that certificate
+/// ([`save_verified_pins`]). Without one, the saved pins are used.
+pub(crate) fn peer_auth(opts: &RemoteOptions, dir: &std::path::Path) -> Result<PeerAuth> {
+    if opts.insecure_dev {
+        return Ok(PeerAuth::InsecureDev);
+    }
+    let explicit = explicit_pins(opts)?;
+    if !explicit.is_empty() {
+        return Ok(PeerAuth::Pinned(explicit));
+    }
+    let pinned = PinnedPeers::load(dir)?;
+    if pinned.peers.is_empty() {
+        return Err(anyhow!(
+            "no prefill node is paired with this decoder: pass --prefill-fingerprint sha256:... (printed by \
+             `k3-prefill serve`) and give the node this decoder's certificate fingerprint (--decoder-fingerprint), or \
+             use --insecure-dev on loopback"
+        ));
+    }
+    Ok(PeerAuth::Pinned(pinned.fingerprints()))
+}
+
+/// After a handshake that verified an explicitly pinned certificate: it becomes the saved
+/// prefill pin (replacing earlier `prefill` entries, so a stale node is no longer trusted).
+pub(crate) fn save_verified_pins(opts: &RemoteOptions, dir: &std::path::Path, node_cert: CertFingerprint) -> Result<()> {
+    if opts.insecure_dev || !explicit_pins(opts)?.contains(&node_cert) {
+        return Ok(());
+    }
+    let mut pinned = PinnedPeers::load(dir)?;
+    if pinned.peers == [(node_cert, "prefill".to_string())] {
+        return Ok(());
+    }
+    pinned.peers.retain(|(_, name)| name != "prefill");
+    pinned.add_and_save(dir, node_cert, "prefill")?;
+    Ok(())
+}
+
 /// The decoder's identity and who it trusts, from its config dir and the options.
 fn node_config(engine: &Engine, opts: &RemoteOptions) -> Result<NodeConfig> {
-    let dir = opts.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Decoder));
+    let dir = config_dir(opts);
     let identity = NodeIdentity::load_or_create(&dir)?;
-    let peers = if opts.insecure_dev {
-        PeerAuth::InsecureDev
-    } else {
-        let mut pinned = PinnedPeers::load(&dir)?;
-        for fp in &opts.prefill_fingerprints {
-            let f = CertFingerprint::parse(fp).ok_or_else(|| anyhow!("--prefill-fingerprint {fp}: expected sha256:<64 hex digits>"))?;
-            pinned.add_and_save(&dir, f, "prefill")?;
-        }
-        if pinned.peers.is_empty() {
-            return Err(anyhow!(
-                "no prefill node is paired with this decoder: pass --prefill-fingerprint sha256:... (printed by \
-                 `k3-prefill serve`) and give the node this decoder's fingerprint {} (--decoder-fingerprint), or use \
-                 --insecure-dev on loopback",
-                identity.fingerprint()
-            ));
-        }
-        PeerAuth::Pinned(pinned.fingerprints())
-    };
+    let peers = peer_auth(opts, &dir).map_err(|e| anyhow!("{e:#}; this decoder's certificate is {}", identity.fingerprint()))?;
     tracing::info!(certificate = %identity.fingerprint(), "decoder identity (give it to the prefill node with --decoder-fingerprint)");
     let mut cfg = NodeConfig::new(identity, peers, *engine.fingerprint(), "mlx");
     cfg.tuning = opts.tuning.clone();
@@ -158,7 +201,20 @@ impl RemotePrefiller {
             media_token: engine.config().media_placeholder_token_id,
             client: None,
             down: None,
+            cancel: None,
         })
+    }
+
+    /// The flag that cancels the prefill in progress: checked after every event of a remote
+    /// transfer (each layer's data, each progress or heartbeat message), which is then cancelled
+    /// on the node too (its worker stops at the next layer). A cancelled prefill returns
+    /// [`Cancelled`] and does not fall back to a local prefill. `None` removes it.
+    pub fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
+        self.cancel = flag;
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     pub fn options(&self) -> &RemoteOptions {
@@ -202,8 +258,15 @@ impl RemotePrefiller {
             }
             return self.local(engine, conv, tokens, image, timing, route, reason, t0);
         }
+        if self.cancelled() {
+            return Err(Cancelled(CANCELLED.into()).into());
+        }
         let attempt = Instant::now();
         let mut r = self.remote(engine, conv, tokens, image, &mut timing);
+        if matches!(&r, Err(f) if f.reason == CANCELLED) {
+            tracing::info!(node = %self.opts.node, "remote prefill cancelled: the request was abandoned");
+            return Err(Cancelled(CANCELLED.into()).into());
+        }
         if let Err(f) = &r {
             if f.base_not_held && conv.remote_prefix_tokens() > 0 {
                 tracing::info!("the prefill node no longer holds this conversation ({}); resending all of it", f.reason);
@@ -269,6 +332,11 @@ impl RemotePrefiller {
                 return Err((Failure { reason, base_not_held: false }, Severity::Down));
             }
         };
+        if let Some(cert) = c.server().certificate {
+            if let Err(e) = save_verified_pins(opts, &config_dir(opts), cert) {
+                tracing::warn!("could not save the verified prefill pin: {e:#}");
+            }
+        }
         *client = Some(c);
         Ok(())
     }
@@ -290,6 +358,8 @@ impl RemotePrefiller {
         let mut staged = StagedDelta::new(c, plan.tokens.len());
         let opts = self.opts.clone();
         let client_slot = &mut self.client;
+        let cancel = self.cancel.clone();
+        let is_cancelled = move || cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
         let sent_at = Instant::now();
         let outcome: std::result::Result<Received, (Failure, Severity)> = self.rt.block_on(async {
             Self::connect(&opts, &cfg, client_slot).await?;
@@ -299,6 +369,10 @@ impl RemotePrefiller {
             let mut ingest = Duration::ZERO;
             let mut last_layer_done: Option<Instant> = None;
             loop {
+                if is_cancelled() {
+                    transfer.cancel(CANCELLED).await;
+                    return Err((Failure { reason: CANCELLED.into(), base_not_held: false }, Severity::Keep));
+                }
                 match transfer.next().await.map_err(classify)? {
                     Some(TransferEvent::Layer { layer, state }) => {
                         let t = Instant::now();
@@ -476,4 +550,44 @@ pub fn run_turn(
     timing.decode_tokens = out.tokens.len();
     timing.decode_tok_per_s = (!out.tokens.is_empty()).then(|| out.tokens_per_second());
     Ok((out, timing))
+}
+
+#[cfg(test)]
+mod pin_tests {
+    use super::*;
+
+    fn fp(b: u8) -> CertFingerprint {
+        CertFingerprint::parse(&format!("sha256:{}", hex_byte(b).repeat(32))).unwrap()
+    }
+    fn hex_byte(b: u8) -> String {
+        format!("{b:02x}")
+    }
+
+    /// Issue 21: after one pairing, `--prefill-fingerprint <other>` still trusted the old node,
+    /// and the new (unverified) value was appended to pinned-peers.txt.
+    #[test]
+    fn an_explicit_prefill_fingerprint_replaces_the_saved_pins_and_is_saved_only_once_verified() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = fp(0xaa);
+        let new = fp(0xbb);
+        PinnedPeers::default().add_and_save(dir.path(), old, "prefill").unwrap();
+        let mut opts = RemoteOptions::new("127.0.0.1:1");
+        opts.config_dir = Some(dir.path().to_path_buf());
+        // Saved pins alone: the old node is trusted.
+        assert_eq!(peer_auth(&opts, dir.path()).unwrap(), PeerAuth::Pinned(vec![old]));
+        // An explicit pin replaces them for this run...
+        opts.prefill_fingerprints = vec![new.to_string()];
+        assert_eq!(peer_auth(&opts, dir.path()).unwrap(), PeerAuth::Pinned(vec![new]));
+        // ...and is not written before a node proved it holds that certificate.
+        assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![old]);
+        // A node presenting another certificate never changes the file.
+        save_verified_pins(&opts, dir.path(), old).unwrap();
+        assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![old]);
+        // The verified one replaces the old prefill pin.
+        save_verified_pins(&opts, dir.path(), new).unwrap();
+        assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![new]);
+        // A malformed value is an error, not a pin.
+        opts.prefill_fingerprints = vec!["sha256:000".into()];
+        assert!(peer_auth(&opts, dir.path()).is_err());
+    }
 }

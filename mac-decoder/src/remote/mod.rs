@@ -32,6 +32,6 @@ mod conversation;
 mod staged;
 pub mod timing;
 
-pub use client::{run_turn, RemoteOptions, RemotePrefiller};
+pub use client::{run_turn, Cancelled, RemoteOptions, RemotePrefiller};
 pub use conversation::Conversation;
 pub use timing::{format_table, Route, TurnTiming};

@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod guard;
 pub mod metrics;
 #[cfg(feature = "mlx")]
 pub mod mlx_engine;
@@ -23,9 +24,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -61,6 +61,8 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Default `max_tokens` of chat completions (bounded by the context).
     pub default_chat_max_tokens: usize,
+    /// HTTP hardening of `/v1/*` (see [`guard`]).
+    pub guard: guard::GuardOptions,
     counter: AtomicU64,
     /// When the server started (the model's `created`).
     created: u64,
@@ -70,7 +72,7 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, model_id: String, api_key: Option<String>) -> Self {
-        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, counter: AtomicU64::new(0), created: now_secs(), grammars: OnceLock::new() }
+        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, guard: Default::default(), counter: AtomicU64::new(0), created: now_secs(), grammars: OnceLock::new() }
     }
 
     /// A constraint enforcing `shape` (built off the async threads: the first call builds the
@@ -121,7 +123,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_info))
         .route("/tokenize", post(tokenize))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::new(guard::Guard::new(state.api_key.as_deref(), state.guard.clone(), state.metrics.clone())),
+            guard::check,
+        ));
     Router::new()
         .merge(v1)
         .route("/health", get(health))
@@ -129,26 +134,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
-}
-
-async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if let Some(key) = &st.api_key {
-        let ok = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|k| constant_time_eq(k.trim().as_bytes(), key.as_bytes()));
-        if !ok {
-            st.metrics.error("unauthorized");
-            return ApiError::unauthorized().into_response();
-        }
-    }
-    next.run(req).await
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn not_found() -> Response {
@@ -889,5 +874,5 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// Binds `addr` and serves until the process ends (or `shutdown` resolves).
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    guard::serve(listener, router(state), guard::HEADER_READ_TIMEOUT, std::time::Duration::from_secs(60), shutdown).await
 }

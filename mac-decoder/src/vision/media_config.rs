@@ -39,6 +39,51 @@ pub struct MediaProcConfig {
     /// `None`: alpha is dropped (plain RGB conversion).
     pub transparent_bg: Option<BgPattern>,
     pub fill_stage: FillStage,
+    /// Most patches this machine's memory can encode ([`memory_patch_limit`]); an image whose
+    /// plan needs more is refused with a clear error instead of exhausting memory. `usize::MAX`
+    /// when not bounded (the published settings, reference tests).
+    pub memory_patch_limit: usize,
+}
+
+/// Bytes of one tower activation row per patch, alive during one block (f32): pixels, the
+/// residual stream and norms, q/k/v with their rotated and head-major copies, the attention
+/// output, the MLP hidden layer; ×1.5 for MLX temporaries.
+pub fn tower_bytes_per_patch(v: &k3_protocol::VisionConfig) -> usize {
+    let (p, d, q, f) = (v.patch_size, v.vt_hidden_size, v.qkv_hidden_size, v.vt_intermediate_size);
+    let floats = 3 * p * p + 6 * d + 12 * q + 2 * f;
+    floats * 4 * 3 / 2
+}
+
+/// Memory the vision tower may use: `K3_VISION_MEMORY_BYTES` if set, else half the memory
+/// available now (Linux `MemAvailable`; macOS physical memory / 4), else `None` (unbounded).
+pub fn vision_memory_budget() -> Option<u64> {
+    if let Some(v) = std::env::var("K3_VISION_MEMORY_BYTES").ok().and_then(|v| v.trim().parse().ok()) {
+        return Some(v);
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kb: u64 = text.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024 / 2)
+    }
+    #[cfg(target_os = "macos")]
+    {
+        let out = std::process::Command::new("sysctl").args(["-n", "hw.memsize"]).output().ok()?;
+        let bytes: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+        Some(bytes / 4)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        None
+    }
+}
+
+/// Most patches a memory budget holds: the budget less three attention score blocks (a block,
+/// its softmax, the product), divided by [`tower_bytes_per_patch`].
+pub fn memory_patch_limit(v: &k3_protocol::VisionConfig, budget: Option<u64>) -> usize {
+    let Some(budget) = budget else { return usize::MAX };
+    let scores = 3 * super::ATTN_SCORE_BYTES as u64;
+    (budget.saturating_sub(scores) / tower_bytes_per_patch(v).max(1) as u64).min(usize::MAX as u64) as usize
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +106,7 @@ impl MediaProcConfig {
             image_std: [0.5; 3],
             transparent_bg: Some(BgPattern::Chessboard { square: 8, white_top_left: true, white: 255, gray: 180 }),
             fill_stage: FillStage::AfterResize,
+            memory_patch_limit: usize::MAX,
         }
     }
 
@@ -69,8 +115,16 @@ impl MediaProcConfig {
         MediaProcConfig { patch_size: v.patch_size, merge_kernel_size: v.merge_kernel_size[0], ..Self::k3_default() }
     }
 
-    /// Reads `<dir>/preprocessor_config.json` when present, else [`Self::for_vision`].
+    /// [`Self::load_unbounded`] with [`Self::memory_patch_limit`] set from this machine's memory
+    /// ([`vision_memory_budget`]).
     pub fn load(dir: &Path, v: &k3_protocol::VisionConfig) -> Result<Self, MediaConfigError> {
+        let mut cfg = Self::load_unbounded(dir, v)?;
+        cfg.memory_patch_limit = memory_patch_limit(v, vision_memory_budget());
+        Ok(cfg)
+    }
+
+    /// Reads `<dir>/preprocessor_config.json` when present, else [`Self::for_vision`].
+    pub fn load_unbounded(dir: &Path, v: &k3_protocol::VisionConfig) -> Result<Self, MediaConfigError> {
         let path = dir.join("preprocessor_config.json");
         if !path.exists() {
             return Ok(Self::for_vision(v));
@@ -199,6 +253,7 @@ impl RawMediaProcCfg {
             image_std: self.image_std,
             transparent_bg,
             fill_stage,
+            memory_patch_limit: usize::MAX,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -29,6 +29,9 @@ pub mod tower;
 use k3_protocol::{Checkpoint, CheckpointError, VisionConfig};
 
 pub use media_config::MediaProcConfig;
+
+/// Default bound of one attention score block of the tower (256 MiB); see `tower`.
+pub const ATTN_SCORE_BYTES: usize = 256 << 20;
 pub use preprocess::{preprocess_bytes, PreprocessError, PreprocessedImage};
 pub use prompt::{expand_media, expand_media_ids, ExpandedIds, ExpandedPrompt};
 pub use weights::VisionWeights;

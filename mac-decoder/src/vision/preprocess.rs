@@ -203,6 +203,17 @@ pub fn preprocess_image(img: &Image8, cfg: &MediaProcConfig) -> Result<Preproces
         return Err(PreprocessError::Decode(format!("{} channels (need RGB or RGBA)", img.channels)));
     }
     let plan = resize_plan(img.width, img.height, cfg)?;
+    let patches = plan.grid_thw.iter().product::<usize>();
+    if patches > cfg.memory_patch_limit {
+        return Err(PreprocessError::BadSize {
+            w: img.width as u64,
+            h: img.height as u64,
+            msg: format!(
+                "needs {patches} patches, more than this machine's memory lets the vision tower encode ({}); send a smaller image",
+                cfg.memory_patch_limit
+            ),
+        });
+    }
     let (nw, nh) = (plan.new_width, plan.new_height);
     let rgb = match (&cfg.transparent_bg, img.channels) {
         (_, 3) => resize_channels(img, nw, nh),

@@ -49,8 +49,10 @@ pub struct VisionTower {
     attn_score_bytes: usize,
 }
 
-/// Default bound of one attention score tensor (1 GiB).
-pub const DEFAULT_ATTN_SCORE_BYTES: usize = 1 << 30;
+/// Default bound of one attention score tensor (256 MiB). Each query block is evaluated before
+/// the next is built, so this bounds the scores alive at once (MLX is lazy: blocks left unevaluated
+/// are all materialised together when the result is used, and the bound would not hold).
+pub const DEFAULT_ATTN_SCORE_BYTES: usize = super::ATTN_SCORE_BYTES;
 
 /// The tower's outputs for one image, as MLX arrays.
 pub struct TowerOutput {
@@ -107,9 +109,16 @@ impl VisionTower {
         }
         let cuts: Vec<i32> = (rows..n).step_by(rows).map(|c| c as i32).collect();
         let blocks = mlx(q.split_at_indices(&cuts, 2), what)?;
+        // k and v once, before the blocks share them.
+        mlx(mlx_rs::transforms::eval([k, v]), what)?;
         let outs = blocks
             .iter()
-            .map(|qb| mlx(fast::scaled_dot_product_attention(qb, k, v, scale, None, None), what))
+            .map(|qb| {
+                let o = mlx(fast::scaled_dot_product_attention(qb, k, v, scale, None, None), what)?;
+                // Forced here: the block's scores are freed before the next block's exist.
+                mlx(o.eval(), what)?;
+                Ok(o)
+            })
             .collect::<R<Vec<Array>>>()?;
         mlx(ops::concatenate(&outs, 2), what)
     }
@@ -166,6 +175,8 @@ impl VisionTower {
             let h = mlx(fast::rms_norm(&x, Some(&b.norm1), e), &what("norm1"))?;
             let u = mlx(nn::gelu_approximate(linear(&h, &b.fc0, &what("fc0"))?), &what("gelu_tanh"))?;
             x = mlx(x.add(&linear(&u, &b.fc1, &what("fc1"))?), &what("residual"))?;
+            // One block at a time: the graph (and the memory it holds) never spans blocks.
+            mlx(x.eval(), &what("eval"))?;
         }
         let encoder = mlx(fast::rms_norm(&x, Some(&self.final_norm), e), "final_layernorm")?;
 

@@ -36,6 +36,18 @@ pub struct Tuning {
     pub max_state_bytes: u64,
     /// Most parallel data streams per transfer.
     pub max_streams: u16,
+    /// Server: handshakes in progress at once; more incoming connections are refused.
+    pub max_handshakes: usize,
+    /// Server: with this many handshakes in progress, a peer whose address is not yet validated
+    /// gets a QUIC Retry first (stateless: a flood of spoofed or half-open Initials then holds
+    /// nothing).
+    pub retry_above: usize,
+    /// Server: connections (handshaking or established) per peer IP address.
+    pub max_connections_per_ip: usize,
+    /// Server: established connections at once.
+    pub max_connections: usize,
+    /// Server: the TLS handshake and Hello must complete within this.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for Tuning {
@@ -53,6 +65,11 @@ impl Default for Tuning {
             max_control_frame: DEFAULT_MAX_CONTROL_FRAME,
             max_state_bytes: 64 << 30,
             max_streams: 16,
+            max_handshakes: 64,
+            retry_above: 8,
+            max_connections_per_ip: 16,
+            max_connections: 64,
+            handshake_timeout: Duration::from_secs(10),
         }
     }
 }

@@ -28,7 +28,7 @@ pub use client::{PrefillClient, Transfer, TransferEvent, TransferSummary};
 pub use config::{NodeConfig, Tuning};
 pub use error::TransferError;
 pub use identity::{default_config_dir, CertFingerprint, NodeIdentity, NodeRole, PinnedPeers};
-pub use server::{IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
+pub use server::{AdmissionCounts, IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
 pub use tls::PeerAuth;
 
 use crate::fingerprint::Fingerprint;

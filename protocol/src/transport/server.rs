@@ -51,6 +51,7 @@ pub struct PrefillServer {
     endpoint: quinn::Endpoint,
     incoming: Mutex<mpsc::Receiver<Result<PrefillConnection, TransferError>>>,
     accept_task: JoinHandle<()>,
+    admission: Admission,
 }
 
 impl Drop for PrefillServer {
@@ -78,6 +79,8 @@ impl PrefillServer {
             .map_err(|e| TransferError::Identity(format!("QUIC TLS config: {e}")))?;
         let mut sc = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(Arc::new(cfg.tuning.quinn_transport()));
+        // Incoming connections quinn buffers before the accept loop sees them.
+        sc.max_incoming(cfg.tuning.max_handshakes.max(1) * 4);
         let endpoint = cfg.tuning.endpoint(addr, Some(sc))
             .map_err(|e| TransferError::Local(format!("cannot listen on {addr}: {e}")))?;
         tracing::info!(
@@ -89,6 +92,8 @@ impl PrefillServer {
         let (tx, rx) = mpsc::channel(16);
         let cfg = Arc::new(cfg);
         let ep = endpoint.clone();
+        let admission = Admission::new(&cfg.tuning);
+        let adm = admission.clone();
         let accept_task = tokio::spawn(async move {
             while let Some(incoming) = ep.accept().await {
                 let remote = incoming.remote_address();
@@ -97,9 +102,14 @@ impl PrefillServer {
                     incoming.refuse();
                     continue;
                 }
+                let Some(slot) = adm.admit(incoming) else { continue };
+                let (incoming, slot) = slot;
                 let (cfg, refused, tx) = (cfg.clone(), refused.clone(), tx.clone());
                 tokio::spawn(async move {
-                    let r = handshake(incoming, cfg, refused).await;
+                    let r = handshake(incoming, cfg, refused).await.map(|mut c| {
+                        c.slot = Some(slot.established());
+                        c
+                    });
                     if let Err(e) = &r {
                         tracing::warn!(%remote, "handshake failed: {e}");
                     }
@@ -107,7 +117,12 @@ impl PrefillServer {
                 });
             }
         });
-        Ok(PrefillServer { endpoint, incoming: Mutex::new(rx), accept_task })
+        Ok(PrefillServer { endpoint, incoming: Mutex::new(rx), accept_task, admission })
+    }
+
+    /// What the accept loop did with incoming connections so far.
+    pub fn admission_counts(&self) -> AdmissionCounts {
+        *self.admission.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -126,9 +141,131 @@ impl PrefillServer {
     }
 }
 
+/// Who may start a handshake: a bounded number at once, Retry (address validation) for
+/// unvalidated peers under load, a bounded number per IP, and a bound on established connections.
+/// Counts of what the accept loop refused are kept for metrics and tests.
+#[derive(Clone)]
+struct Admission {
+    handshakes: Arc<tokio::sync::Semaphore>,
+    max_handshakes: usize,
+    retry_above: usize,
+    per_ip: Arc<StdMutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    max_per_ip: usize,
+    established: Arc<std::sync::atomic::AtomicUsize>,
+    max_established: usize,
+    counts: Arc<StdMutex<AdmissionCounts>>,
+}
+
+/// What the accept loop did with incoming connections (for metrics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdmissionCounts {
+    /// Answered with a QUIC Retry (address validation under load).
+    pub retried: u64,
+    /// Refused: too many handshakes, connections, or connections from one address.
+    pub refused: u64,
+    /// Given a handshake slot.
+    pub admitted: u64,
+    /// Most handshakes in progress at once so far.
+    pub peak_handshakes: usize,
+}
+
+/// A handshake slot (and, once established, a connection slot) of one peer; freed on drop.
+pub(crate) struct PeerSlot {
+    ip: std::net::IpAddr,
+    admission: Admission,
+    _handshake: Option<tokio::sync::OwnedSemaphorePermit>,
+    established: bool,
+}
+
+impl PeerSlot {
+    fn established(mut self) -> PeerSlot {
+        self._handshake = None;
+        self.established = true;
+        self.admission.established.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        if self.established {
+            self.admission.established.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut m = self.admission.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Admission {
+    fn new(t: &crate::transport::Tuning) -> Admission {
+        let max_handshakes = t.max_handshakes.max(1);
+        Admission {
+            handshakes: Arc::new(tokio::sync::Semaphore::new(max_handshakes)),
+            max_handshakes,
+            retry_above: t.retry_above,
+            per_ip: Default::default(),
+            max_per_ip: t.max_connections_per_ip.max(1),
+            established: Default::default(),
+            max_established: t.max_connections.max(1),
+            counts: Default::default(),
+        }
+    }
+
+    /// Decides for one incoming connection: `None` when it was answered with Retry or refused.
+    fn admit(&self, incoming: quinn::Incoming) -> Option<(quinn::Incoming, PeerSlot)> {
+        let remote = incoming.remote_address();
+        let in_progress = self.max_handshakes - self.handshakes.available_permits();
+        let count = |f: &dyn Fn(&mut AdmissionCounts)| f(&mut self.counts.lock().unwrap_or_else(|e| e.into_inner()));
+        if !incoming.remote_address_validated() && in_progress >= self.retry_above && incoming.may_retry() {
+            // Stateless: only a peer that really owns its address comes back, with a token.
+            if let Err(e) = incoming.retry() {
+                e.into_incoming().refuse();
+            }
+            count(&|c| c.retried += 1);
+            return None;
+        }
+        let refuse = |incoming: quinn::Incoming| {
+            incoming.refuse();
+            count(&|c| c.refused += 1);
+        };
+        if self.established.load(std::sync::atomic::Ordering::Relaxed) >= self.max_established {
+            tracing::warn!(%remote, "refusing a connection: {} connections are open, the most allowed", self.max_established);
+            refuse(incoming);
+            return None;
+        }
+        let Ok(permit) = self.handshakes.clone().try_acquire_owned() else {
+            tracing::warn!(%remote, "refusing a connection: {} handshakes in progress, the most allowed", self.max_handshakes);
+            refuse(incoming);
+            return None;
+        };
+        {
+            let mut m = self.per_ip.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.entry(remote.ip()).or_insert(0);
+            if *n >= self.max_per_ip {
+                drop(m);
+                tracing::warn!(%remote, "refusing a connection: {} connections from this address, the most allowed", self.max_per_ip);
+                refuse(incoming);
+                return None;
+            }
+            *n += 1;
+        }
+        let now = self.max_handshakes - self.handshakes.available_permits();
+        count(&|c| {
+            c.admitted += 1;
+            c.peak_handshakes = c.peak_handshakes.max(now);
+        });
+        Some((incoming, PeerSlot { ip: remote.ip(), admission: self.clone(), _handshake: Some(permit), established: false }))
+    }
+}
+
 async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: RefusalSlot) -> Result<PrefillConnection, TransferError> {
     let peer = incoming.remote_address();
-    let conn = match tokio::time::timeout(cfg.tuning.idle_timeout, incoming).await {
+    let conn = match tokio::time::timeout(cfg.tuning.handshake_timeout, incoming).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             if let Some((got, pinned)) = refused.lock().ok().and_then(|mut g| g.take()) {
@@ -142,7 +279,7 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
         Err(_) => return Err(TransferError::Connect { peer, reason: "TLS handshake timed out".into() }),
     };
     let certificate = crate::transport::peer_certificate(&conn);
-    let t = cfg.tuning.idle_timeout;
+    let t = cfg.tuning.idle_timeout.min(cfg.tuning.handshake_timeout);
     let (mut send, recv) = match tokio::time::timeout(t, conn.accept_bi()).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => return Err(connection_lost(peer, &e)),
@@ -196,7 +333,7 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
         model_fingerprint: hello.model_fingerprint,
     };
     tracing::info!(%peer, name = %info.node_name, certificate = ?info.certificate, "decoder connected");
-    Ok(PrefillConnection { conn, cfg, peer: info, max_frame: ack.max_frame_size, next_id: 1 })
+    Ok(PrefillConnection { conn, cfg, peer: info, max_frame: ack.max_frame_size, next_id: 1, slot: None })
 }
 
 /// Sends an Error, waits until it is delivered, closes the connection; returns the error.
@@ -218,6 +355,8 @@ pub struct PrefillConnection {
     peer: PeerInfo,
     max_frame: u32,
     next_id: u64,
+    /// This connection's admission slot (per-IP and total counts), freed with it.
+    slot: Option<PeerSlot>,
 }
 
 impl PrefillConnection {

@@ -1,0 +1,229 @@
+//! HTTP hardening of `k3-decode serve` (issue 21, `server::guard`): without an API key only
+//! loopback Host/Origin and JSON bodies; the key compared whole, the scheme in any case; a slow
+//! body is cut off; requests past the admission limit get 429 + Retry-After.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mac_decoder::server::engine::FakeEngine;
+use mac_decoder::server::guard::GuardOptions;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::Tokenizer;
+use serde_json::json;
+
+const VOCAB: usize = 1024;
+
+struct Server {
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+async fn start(api_key: Option<&str>, guard: GuardOptions, step_delay: Duration) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
+    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    let stop = tok.special_id("<|end_of_msg|>").unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::spawn(
+        move || {
+            // Replies with 20 ordinary tokens, then stops.
+            let mut e = FakeEngine::new(VOCAB, 3000, vec![], stop, move |_: &[u32]| {
+                let mut v: Vec<u32> = (300..320).collect();
+                v.push(stop);
+                v
+            });
+            e.step_delay = step_delay;
+            Ok(e)
+        },
+        StoreOptions { max_sessions: 4, max_bytes: 1 << 30, checkpoints: true },
+        metrics.clone(),
+    )
+    .unwrap();
+    let mut state = AppState::new(engine, tok, metrics, "synth".into(), api_key.map(str::to_string));
+    state.guard = guard;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router(Arc::new(state))).await.unwrap() });
+    Server { addr, _dir: dir }
+}
+
+fn completion() -> String {
+    json!({"prompt": "hello", "max_tokens": 8}).to_string()
+}
+
+/// One raw HTTP/1.1 request; the status code (0 when the server closed without answering).
+fn raw(addr: std::net::SocketAddr, head: &str, body: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let req = format!("{head}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_key_only_loopback_json_requests_are_served() {
+    let s = start(None, GuardOptions::default(), Duration::ZERO).await;
+    let a = s.addr;
+    let post = move |host: &str, extra: &str, ct: &str| {
+        let head = format!("POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ct}{extra}");
+        raw(a, &head, &completion())
+    };
+    let port = a.port();
+    let ok = tokio::task::spawn_blocking(move || {
+        let json = "application/json";
+        vec![
+            ("loopback JSON", post(&format!("127.0.0.1:{port}"), "", json).0, 200),
+            ("localhost + charset", post(&format!("localhost:{port}"), "", "application/json; charset=utf-8").0, 200),
+            ("text/plain (a form post needs no preflight)", post(&format!("127.0.0.1:{port}"), "", "text/plain").0, 415),
+            ("form", post(&format!("127.0.0.1:{port}"), "", "application/x-www-form-urlencoded").0, 415),
+            ("DNS rebinding Host", post(&format!("attacker.example:{port}"), "", json).0, 403),
+            ("lookalike Host", post(&format!("127.0.0.1.attacker.example:{port}"), "", json).0, 403),
+            ("cross-site Origin", post(&format!("127.0.0.1:{port}"), "\r\nOrigin: https://attacker.example", json).0, 403),
+            ("loopback Origin", post(&format!("127.0.0.1:{port}"), &format!("\r\nOrigin: http://localhost:{port}"), json).0, 200),
+        ]
+    })
+    .await
+    .unwrap();
+    for (what, got, want) in ok {
+        assert_eq!(got, want, "{what}");
+    }
+    // A host named with --allow-host is served.
+    let s = start(None, GuardOptions { allowed_hosts: vec!["box.lan".into()], ..Default::default() }, Duration::ZERO).await;
+    let a = s.addr;
+    let code = tokio::task::spawn_blocking(move || {
+        raw(a, "POST /v1/completions HTTP/1.1\r\nHost: box.lan:8000\r\nContent-Type: application/json", &completion()).0
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_is_compared_whole_and_the_scheme_in_any_case() {
+    let s = start(Some("sekret"), GuardOptions::default(), Duration::ZERO).await;
+    let a = s.addr;
+    let codes = tokio::task::spawn_blocking(move || {
+        let with = |auth: &str| {
+            let head = format!("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: {auth}");
+            raw(a, &head, &completion()).0
+        };
+        vec![
+            ("Bearer", with("Bearer sekret"), 200),
+            ("lowercase bearer", with("bearer sekret"), 200),
+            ("BEARER", with("BEARER sekret"), 200),
+            ("trailing space", with("Bearer sekret "), 401),
+            ("leading space", with("Bearer  sekret"), 401),
+            ("prefix", with("Bearer sekre"), 401),
+            ("longer", with("Bearer sekrets"), 401),
+            ("other scheme", with("Basic sekret"), 401),
+        ]
+    })
+    .await
+    .unwrap();
+    for (what, got, want) in codes {
+        assert_eq!(got, want, "{what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_does_not_arrive_is_cut_off() {
+    let s = start(None, GuardOptions { body_timeout: Duration::from_secs(1), ..Default::default() }, Duration::ZERO).await;
+    let a = s.addr;
+    let (code, secs) = tokio::task::spawn_blocking(move || {
+        let mut c = std::net::TcpStream::connect(a).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        // Announces 1000 bytes, sends 10, then waits.
+        let head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":";
+        c.write_all(head.as_bytes()).unwrap();
+        let t0 = Instant::now();
+        let mut out = [0u8; 512];
+        let n = c.read(&mut out).unwrap_or(0);
+        let text = String::from_utf8_lossy(&out[..n]).to_string();
+        (text.split_whitespace().nth(1).and_then(|c| c.parse::<u16>().ok()).unwrap_or(0), t0.elapsed().as_secs_f64())
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, 408, "a slow body must get 408");
+    assert!(secs < 5.0, "cut off after {secs:.1} s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_admission_limit_get_429_with_retry_after() {
+    // Slow engine: each request runs ~20 × 50 ms.
+    let s = start(None, GuardOptions { max_concurrent: 2, ..Default::default() }, Duration::from_millis(50)).await;
+    let url = format!("http://{}/v1/completions", s.addr);
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "hello", "max_tokens": 20, "stream": true});
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let r = client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        running.push(r); // the stream holds its slot until its last event
+    }
+    let r = client.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "too_many_requests");
+    // Once the streams end, requests are admitted again.
+    for r in running {
+        let _ = r.text().await.unwrap();
+    }
+    let r = client.post(&url).json(&json!({"prompt": "hello", "max_tokens": 2})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// Issue 21: the HTTP server had no header read timeout; a connection that never finished its
+/// headers (or an idle keep-alive one) stayed open indefinitely.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    let dir = tempfile::tempdir().unwrap();
+    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
+    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::spawn(
+        move || Ok(FakeEngine::new(VOCAB, 3000, vec![], 1, |_: &[u32]| vec![1])),
+        StoreOptions { max_sessions: 1, max_bytes: 1 << 20, checkpoints: false },
+        metrics.clone(),
+    )
+    .unwrap();
+    let state = Arc::new(AppState::new(engine, tok, metrics, "synth".into(), None));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(mac_decoder::server::guard::serve(
+        listener,
+        router(state),
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let closed_after = tokio::task::spawn_blocking(move || {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ").unwrap();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 256];
+        let _ = c.read(&mut buf); // 0 (closed) or a 408, either way an answer
+        t0.elapsed().as_secs_f64()
+    })
+    .await
+    .unwrap();
+    assert!(closed_after < 5.0, "the half-sent request stayed open {closed_after:.1} s");
+    // /health still answers, and the server stops cleanly when asked.
+    let r = reqwest::get(format!("http://{addr}/health")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), server).await.expect("the server did not stop").unwrap().unwrap();
+}
