@@ -124,9 +124,13 @@ pub fn generate_constrained(
         let tok = match constraint.as_deref_mut() {
             None => sampler.sample(logits).map_err(|e| anyhow!("sampling: {e}"))?,
             Some(c) => {
+                scratch.clear();
+                scratch.extend_from_slice(logits);
                 let tm = Instant::now();
-                let tok = sampler.sample_constrained(logits, c, &mut scratch).map_err(|e| anyhow!("constrained sampling: {e}"))?;
+                c.mask(&mut scratch).map_err(|e| anyhow!("constrained decoding: {e}"))?;
                 mask_time += tm.elapsed();
+                let tok = sampler.sample(&scratch).map_err(|e| anyhow!("sampling: {e}"))?;
+                c.commit(tok).map_err(|e| anyhow!("constrained decoding: {e}"))?;
                 tok
             }
         };

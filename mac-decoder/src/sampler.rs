@@ -81,20 +81,6 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token id from one logits row restricted by `constraint` (masked in
-    /// `scratch`, a reusable buffer), and commits it to the constraint.
-    pub fn sample_constrained(&mut self, logits: &[f32], constraint: &mut dyn TokenConstraint, scratch: &mut Vec<f32>) -> Result<u32, String> {
-        scratch.clear();
-        scratch.extend_from_slice(logits);
-        constraint.mask(scratch)?;
-        if scratch.iter().all(|x| *x == f32::NEG_INFINITY) {
-            return Err("the constraint allows no token".into());
-        }
-        let tok = self.sample(scratch)?;
-        constraint.commit(tok)?;
-        Ok(tok)
-    }
-
     /// Picks the next token id from one logits row.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, String> {
         let p = &self.params;

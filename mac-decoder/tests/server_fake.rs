@@ -456,3 +456,66 @@ async fn api_key_models_health_metrics_and_stop_strings() {
     assert!(metric(&text, "k3_decode_tokens_per_second") > 0.0);
     assert_eq!(metric(&text, "k3_errors_total{kind=\"unauthorized\"}"), 2.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_models_tokenize_and_reasoning_tokens() {
+    let s = start(None).await;
+    let user = json!([{"role": "user", "content": "Hello there"}]);
+    // Chat logprobs: one entry per generated token, top alternatives sorted, the chosen one first
+    // (the fake model's logits are one-hot).
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"messages": user, "logprobs": true, "top_logprobs": 2, "return_token_ids": true})).await;
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    let entries = c["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len(), c["token_ids"].as_array().unwrap().len());
+    for e in entries {
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0]["token"], e["token"]);
+        assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
+    }
+    // reasoning tokens are counted in usage
+    let rt = v["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap();
+    assert!(rt > 0 && rt < v["usage"]["completion_tokens"].as_u64().unwrap(), "{v}");
+    // Streamed: the entries arrive across the chunks, as many as tokens.
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&json!({"messages": user, "logprobs": true, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    let events = sse_events(&r.text().await.unwrap());
+    let streamed: usize = events.iter().filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array()).map(|a| a.len()).sum();
+    let usage = events.iter().find(|e| e.get("usage").is_some_and(|u| !u.is_null())).unwrap();
+    assert_eq!(streamed as u64, usage["usage"]["completion_tokens"].as_u64().unwrap());
+    // Legacy completions: `logprobs` is an integer.
+    let (st, v) = post(&s, "/v1/completions", json!({"prompt": "abc", "max_tokens": 4, "logprobs": 3})).await;
+    assert_eq!(st, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 3);
+    for bad in [json!({"messages": user, "top_logprobs": 3}), json!({"messages": user, "logprobs": true, "top_logprobs": 21})] {
+        let (st, _) = post(&s, "/v1/chat/completions", bad).await;
+        assert_eq!(st, 400);
+    }
+    // GET /v1/models/{id}, a real `created`.
+    let m: Value = reqwest::get(format!("{}/v1/models/k3-synth", s.base)).await.unwrap().json().await.unwrap();
+    assert_eq!(m["id"], "k3-synth");
+    assert!(m["created"].as_u64().unwrap() > 1_700_000_000);
+    let r = reqwest::get(format!("{}/v1/models/other", s.base)).await.unwrap();
+    assert_eq!(r.status(), 404);
+    // POST /tokenize: the chat render (= what the chat endpoint prefilled) and raw prompts.
+    let (st, t) = post(&s, "/tokenize", json!({"messages": user, "return_token_strs": true})).await;
+    assert_eq!(st, 200, "{t}");
+    let (_, v) = post(&s, "/v1/chat/completions", json!({"messages": user, "return_token_ids": true})).await;
+    assert_eq!(t["tokens"], v["prompt_token_ids"]);
+    assert_eq!(t["count"].as_u64(), v["usage"]["prompt_tokens"].as_u64());
+    assert!(t["text"].as_str().unwrap().ends_with("<|open|>think<|sep|>"));
+    assert_eq!(t["token_strs"].as_array().unwrap().len(), t["count"].as_u64().unwrap() as usize);
+    assert!(t["segments"].as_array().unwrap().iter().any(|seg| seg[1] == json!(true)));
+    let (st, t) = post(&s, "/tokenize", json!({"prompt": "hi"})).await;
+    assert_eq!(st, 200);
+    assert!(t["count"].as_u64().unwrap() >= 1);
+}

@@ -101,6 +101,9 @@ impl TokenConstraint for GrammarConstraint {
         for l in logits.iter_mut().skip(self.vocab) {
             *l = f32::NEG_INFINITY;
         }
+        if allowed.num_set() == 0 {
+            return Err("the grammar allows no token".into());
+        }
         Ok(())
     }
 
