@@ -41,7 +41,8 @@ CRATE_RANK = {"protocol": 0, "cuda-prefiller": 1, "mac-decoder": 1, "tests": 2}
 
 # Layers per crate, lowest first. A file belongs to the layer of the longest module prefix
 # listed; a file may import its own layer and the layers below, never one above. `main` is the
-# binary's root (src/main.rs), `` (empty) the library root (lib.rs, a facade).
+# binary's root (src/main.rs), `` (empty) the library root (lib.rs, a facade) and nothing else.
+# A module that is in no layer is itself a finding: add it where it belongs.
 LAYERS = {
     "protocol": [
         ["testdata", "mxfp4", "process"],
@@ -55,7 +56,7 @@ LAYERS = {
         [""],
     ],
     "cuda-prefiller": [
-        ["backend"],
+        ["backend", "act"],
         ["model"],
         ["stream_plan"],
         ["cpu", "cuda"],
@@ -380,6 +381,8 @@ def layer_of(m):
     for idx, group in enumerate(layers):
         for prefix in group:
             p = tuple(prefix.split("::")) if prefix else ()
+            if not p and m.path:
+                continue
             if m.path[: len(p)] == p and len(p) > best_len:
                 best, best_len = idx, len(p)
     return best
@@ -449,6 +452,11 @@ def main():
                 if b in members:
                     print(f"    {name(a)}:{evidence[(a, b)]} -> {name(b)}")
 
+    for k in sorted(edges):
+        if layer_of(ws.mods[k]) is None:
+            findings += 1
+            print(f"unlisted: {name(k)} is in no layer of {ws.mods[k].crate} (add its module to LAYERS "
+                  f"in scripts/check_layers.py and to docs/architecture.md)")
     for k in sorted(edges):
         src = ws.mods[k]
         for t in edges[k]:

@@ -1,5 +1,6 @@
 //! k3-prefill: the GPU node's library.
 
+pub mod act;
 pub mod backend;
 pub mod cli;
 pub mod cpu;

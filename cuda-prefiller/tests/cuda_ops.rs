@@ -195,7 +195,7 @@ fn cuda_ops_shapes_match_cpu_bf16() {
 /// and both AttnRes float4 kernels (with and without prefetch) forced, against the CPU functions.
 #[test]
 fn cuda_strided_kernels_match_cpu() {
-    use cuda_prefiller::cpu;
+    use cuda_prefiller::{act, cpu};
     use cuda_prefiller::cuda::kernels::{self as k, AttnResKernel};
     let Some(b) = cuda(Precision::F32) else { return };
     let g = &b.gpu;
@@ -224,12 +224,12 @@ fn cuda_strided_kernels_match_cpu() {
         let op = ow.ptr() + 4 * off as u64;
         k::situ_glu(g, xp, ld, up, ld, op, ld, t, n, 4.0, 25.0, false).unwrap();
         let got = view(&b.download(&ow).unwrap()[off..], ld);
-        assert_rel(&format!("situ_glu, {what}"), &got, &cpu::act::situ_glu(&x, &u, 4.0, Some(25.0)), 2e-6);
+        assert_rel(&format!("situ_glu, {what}"), &got, &act::situ_glu(&x, &u, 4.0, Some(25.0)), 2e-6);
         // y *= sigmoid(g) in place on the strided x view
         k::mul_sigmoid(g, xp, ld, up, ld, t, n).unwrap();
         let got = view(&b.download(&xb).unwrap()[off..], ld);
         let mut want = x.clone();
-        cpu::act::sigmoid_gate_mul(&mut want, &u);
+        act::sigmoid_gate_mul(&mut want, &u);
         assert_rel(&format!("mul_sigmoid, {what}"), &got, &want, 2e-6);
         // RMSNorm from the strided u view into the strided output
         let w: Vec<f32> = uniform(&mut r, n, 0.5).iter().map(|v| 1.0 + v).collect();

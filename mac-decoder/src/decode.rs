@@ -56,13 +56,7 @@ impl Default for EngineOptions {
     }
 }
 
-/// Image features for a multimodal local prefill: `[rows, hidden]` f32, one row per
-/// `<|media_pad|>` token of the prompt, in prompt order (spec §5.5).
-#[derive(Debug, Clone)]
-pub struct ImageEmbeds {
-    pub rows: usize,
-    pub data: Vec<f32>,
-}
+pub use crate::vision::ImageEmbeds;
 
 /// The state of one sequence.
 pub struct Session {

@@ -1,6 +1,6 @@
 //! KDA short causal depthwise convolution with its carried window (spec §3.3 step 2).
 
-use super::act::silu;
+use crate::act::silu;
 
 /// `y_t[c] = SiLU(Σ_{j<K} w[c, j] · x̂_{t−(K−1)+j}[c])` over `x [rows, c]`, where `x̂` is
 /// `window ++ x` and `window [K-1, c]` holds the previous pre-conv inputs, oldest first.

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::act::{sigmoid, softplus};
+use crate::act::{sigmoid, softplus};
 
 /// Decay gate `g [rows, H·D]` from `z [rows, H·D]` (before `dt_bias`), `a_log [H]` (one per
 /// head), `dt_bias [H·D]`. Bounded form for `Some(lb)`: `lb·σ(exp(A[h])·(z + dt_bias))`;

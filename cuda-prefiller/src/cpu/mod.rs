@@ -2,7 +2,6 @@
 //! multi-threaded with rayon. Every op is also a plain `pub fn` on slices in the submodules —
 //! the references the CUDA kernels are tested against.
 
-pub mod act;
 pub mod attn_res;
 pub mod conv;
 pub mod gemm;
@@ -153,16 +152,16 @@ impl Backend for CpuBackend {
 
     fn situ_glu(&self, gate: &CpuTensor, up: &CpuTensor, b: SituBetas) -> OpResult<CpuTensor> {
         same_shape("situ_glu", gate, up)?;
-        Ok(CpuTensor { rows: gate.rows, cols: gate.cols, data: act::situ_glu(&gate.data, &up.data, b.beta, b.linear_beta) })
+        Ok(CpuTensor { rows: gate.rows, cols: gate.cols, data: crate::act::situ_glu(&gate.data, &up.data, b.beta, b.linear_beta) })
     }
 
     fn sigmoid(&self, x: &CpuTensor) -> OpResult<CpuTensor> {
-        Ok(CpuTensor { rows: x.rows, cols: x.cols, data: act::sigmoid_all(&x.data) })
+        Ok(CpuTensor { rows: x.rows, cols: x.cols, data: crate::act::sigmoid_all(&x.data) })
     }
 
     fn sigmoid_gate_mul(&self, a: &mut CpuTensor, gate: &CpuTensor) -> OpResult<()> {
         same_shape("sigmoid_gate_mul", a, gate)?;
-        act::sigmoid_gate_mul(&mut a.data, &gate.data);
+        crate::act::sigmoid_gate_mul(&mut a.data, &gate.data);
         Ok(())
     }
 

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use k3_protocol::mxfp4::{e2m1, e8m0, Mxfp4Weight, GROUP};
 
-use super::act::{sigmoid, situ};
+use crate::act::{sigmoid, situ};
 use super::gemm::gemm;
 use crate::backend::Routing;
 

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::act::sigmoid;
+use crate::act::sigmoid;
 
 /// `1 / sqrt(mean(x²) + eps)`.
 #[inline]

@@ -102,7 +102,7 @@ fn gate_per_channel<B: Backend>(b: &B, z: &B::Buf, w: &KdaWeights<B>, d: &ModelD
         .map(|(i, &zv)| {
             let c = i % width;
             let a = w.a_log_stored[c % dk.head_dim].exp();
-            lb * crate::cpu::act::sigmoid(a * (zv + w.dt_bias_host[c]))
+            lb * crate::act::sigmoid(a * (zv + w.dt_bias_host[c]))
         })
         .collect();
     b.upload(&g, z.rows(), z.cols())

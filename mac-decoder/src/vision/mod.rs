@@ -33,7 +33,7 @@ pub use media_config::MediaProcConfig;
 /// Default bound of one attention score block of the tower (256 MiB); see `tower`.
 pub const ATTN_SCORE_BYTES: usize = 256 << 20;
 pub use preprocess::{preprocess_bytes, PreprocessError, PreprocessedImage};
-pub use prompt::{expand_media, expand_media_ids, ExpandedIds, ExpandedPrompt};
+pub use prompt::{expand_media, expand_media_ids, ExpandedIds, ExpandedPrompt, ImageEmbeds};
 pub use weights::VisionWeights;
 
 /// The epsilon of the vision RMSNorms (norm0, norm1, final_layernorm), which the reference
@@ -159,9 +159,8 @@ pub fn encode_image_bytes(model: &dyn VisionEncoder, bytes: &[u8]) -> Result<Ima
 
 /// The rows of several images, concatenated in prompt order, as the MLX engine takes them
 /// (row k replaces the k-th `<|media_pad|>` of the expanded prompt).
-#[cfg(feature = "mlx")]
-pub fn image_embeds(features: &[ImageFeatures]) -> crate::decode::ImageEmbeds {
-    crate::decode::ImageEmbeds {
+pub fn image_embeds(features: &[ImageFeatures]) -> ImageEmbeds {
+    ImageEmbeds {
         rows: features.iter().map(|f| f.rows).sum(),
         data: features.iter().flat_map(|f| f.data.iter().copied()).collect(),
     }

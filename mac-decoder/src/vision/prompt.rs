@@ -17,6 +17,14 @@ pub const MEDIA_PAD: &str = "<|media_pad|>";
 /// The placeholder a chat template leaves where an image goes (`config.image_placeholder`).
 pub const IMAGE_PLACEHOLDER: &str = "<|kimi_image_placeholder|>";
 
+/// Image features for a multimodal prefill: `[rows, hidden]` f32, one row per `<|media_pad|>`
+/// token of the expanded prompt, in prompt order (spec §5.5).
+#[derive(Debug, Clone)]
+pub struct ImageEmbeds {
+    pub rows: usize,
+    pub data: Vec<f32>,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PromptError {
     #[error("the prompt holds {found} image placeholder(s) ({what}) but {expected} image(s) were given")]

@@ -1,4 +1,5 @@
-//! Elementwise activations: logistic sigmoid, SiLU, SiTU-GLU (spec §3.6).
+//! Elementwise activations: logistic sigmoid, SiLU, softplus, SiTU-GLU (spec §3.6), on the host.
+//! Below both the model (the host-side gate of `model::kda`) and the CPU reference backend.
 
 use rayon::prelude::*;
 
