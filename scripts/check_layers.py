@@ -68,7 +68,7 @@ LAYERS = {
     ],
     "mac-decoder": [
         ["sampler", "tokenizer", "mlx"],
-        ["chat", "model"],
+        ["chat", "model", "generate"],
         ["ingest", "vision"],
         ["decode"],
         ["remote"],

@@ -14,6 +14,7 @@
 //! ```
 
 pub mod corpus;
+pub mod error;
 pub mod presets;
 pub mod release_config;
 pub mod rng;
@@ -24,35 +25,17 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use error::write_file;
+pub use error::SynthError;
 pub use presets::{build_config, default_full_attn_layers, Overrides, Preset};
 pub use shards::{plan_shards, ShardPlan};
 pub use tokenizer::SpecialTokens;
 
-use crate::config::{ConfigError, K3Config};
+use crate::config::K3Config;
 use crate::tensors::all_tensors;
 
 /// Default shard size limit (data bytes per shard).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
-
-#[derive(Debug, thiserror::Error)]
-pub enum SynthError {
-    #[error("synthetic config: {0}")]
-    Config(#[from] ConfigError),
-    #[error("cannot write {path}: {source}")]
-    Io { path: String, source: std::io::Error },
-    #[error("{0}")]
-    Invalid(String),
-}
-
-impl SynthError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        SynthError::Io { path: path.display().to_string(), source }
-    }
-}
-
-pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<(), SynthError> {
-    std::fs::write(path, bytes).map_err(|e| SynthError::io(path, e))
-}
 
 /// What to write for a given config.
 #[derive(Debug, Clone, PartialEq)]

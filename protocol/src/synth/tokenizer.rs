@@ -303,9 +303,9 @@ pub fn tokenizer_config_json(sp: &SpecialTokens, max_len: usize) -> serde_json::
 pub fn write_tokenizer(dir: &Path, vocab: usize, max_len: usize) -> Result<SpecialTokens, super::SynthError> {
     let sp = SpecialTokens::for_vocab(vocab).map_err(super::SynthError::Invalid)?;
     let ranks = bpe_ranks(sp.base as usize);
-    super::write_file(&dir.join("tiktoken.model"), tiktoken_model_text(&ranks).as_bytes())?;
+    super::error::write_file(&dir.join("tiktoken.model"), tiktoken_model_text(&ranks).as_bytes())?;
     let cfg = serde_json::to_string_pretty(&tokenizer_config_json(&sp, max_len)).expect("JSON value serialises");
-    super::write_file(&dir.join("tokenizer_config.json"), cfg.as_bytes())?;
+    super::error::write_file(&dir.join("tokenizer_config.json"), cfg.as_bytes())?;
     Ok(sp)
 }
 
