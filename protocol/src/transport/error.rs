@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 
 use crate::fingerprint::Fingerprint;
-use crate::transport::identity::CertFingerprint;
+use crate::transport::cert_fingerprint::CertFingerprint;
 use crate::wire::{ErrorCode, WireError};
 
 #[derive(Debug, Clone, thiserror::Error)]

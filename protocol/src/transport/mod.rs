@@ -12,6 +12,7 @@
 //! server opens `Accepted::streams` unidirectional *data* streams per request (DataStream
 //! header, then chunk frames). See docs/handoff-protocol.md.
 
+pub mod cert_fingerprint;
 pub mod client;
 pub mod config;
 pub mod error;
@@ -27,7 +28,8 @@ use std::net::SocketAddr;
 pub use client::{PrefillClient, Transfer, TransferEvent, TransferSummary};
 pub use config::{NodeConfig, Tuning};
 pub use error::TransferError;
-pub use identity::{default_config_dir, CertFingerprint, NodeIdentity, NodeRole, PinnedPeers};
+pub use cert_fingerprint::CertFingerprint;
+pub use identity::{default_config_dir, NodeIdentity, NodeRole, PinnedPeers};
 pub use server::{AdmissionCounts, IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
 pub use tls::PeerAuth;
 

@@ -12,7 +12,8 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
 use crate::transport::error::TransferError;
-use crate::transport::identity::{CertFingerprint, NodeIdentity};
+use crate::transport::cert_fingerprint::CertFingerprint;
+use crate::transport::identity::NodeIdentity;
 use crate::wire::ALPN;
 
 /// How a node decides whether to trust its peer.

@@ -19,7 +19,8 @@ use std::collections::BTreeMap;
 use crate::handoff::{HandoffState, LayerState};
 use crate::wire::error::WireError;
 use crate::wire::frame::ChunkHeader;
-use crate::wire::layout::{part_values_mut, LayerLayout, Part, StateLayout};
+use crate::wire::layout::{part_values_mut, LayerLayout, StateLayout};
+use crate::wire::part::Part;
 
 /// Disjoint received byte ranges of one part (start → end), merged when adjacent.
 #[derive(Debug, Default)]

@@ -4,7 +4,8 @@
 //! one empty chunk, so that "every layer arrived exactly once" holds for it too.
 
 use crate::handoff::LayerState;
-use crate::wire::layout::{part_values, LayerLayout, Part};
+use crate::wire::layout::{part_values, LayerLayout};
+use crate::wire::part::Part;
 
 #[cfg(target_endian = "big")]
 compile_error!("the hand-off wire carries fp32 little-endian; big-endian hosts are not supported");

@@ -1,7 +1,7 @@
 //! Errors of the sans-I/O wire layer. Each names what was wrong and where (layer, part, byte
 //! offset), so a transport error can say which chunk of which peer was bad.
 
-use crate::wire::layout::Part;
+use crate::wire::part::Part;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {

@@ -15,7 +15,7 @@ use bytes::{Buf, Bytes, BytesMut};
 
 use crate::wire::checksum::chunk_crc;
 use crate::wire::error::WireError;
-use crate::wire::layout::Part;
+use crate::wire::part::Part;
 use crate::wire::messages::Message;
 
 pub const FRAME_HEADER_LEN: usize = 5;

@@ -9,10 +9,12 @@ pub mod error;
 pub mod frame;
 pub mod layout;
 pub mod messages;
+pub mod part;
 
 pub use assembler::{AssemblerLimits, AssemblyTotals, StateAssembler, StateCollector};
 pub use chunker::{plan_layer, ChunkSpec};
 pub use error::WireError;
 pub use frame::{encode_control, Chunk, ChunkHeader, Frame, FrameDecoder};
-pub use layout::{LayerLayout, Part, StateLayout};
+pub use layout::{LayerLayout, StateLayout};
+pub use part::Part;
 pub use messages::*;
