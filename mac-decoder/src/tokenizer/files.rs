@@ -106,3 +106,23 @@ pub fn config_vocab_size(path: &Path) -> Result<Option<u32>, TokenizerError> {
             .ok_or_else(|| TokenizerError::Config { file: origin, why: format!("vocab_size {n} is not a token count") }),
     }
 }
+
+/// Special-token ids a `config.json` names (`eos_token_id`, `media_placeholder_token_id`,
+/// `pad_token_id`), for the tokenizer's cross-check; missing file or keys give none.
+pub fn config_special_ids(path: &Path) -> Result<Vec<(&'static str, u32)>, TokenizerError> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::Io { file: origin.clone(), source: e })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| TokenizerError::Config { file: origin.clone(), why: format!("not JSON: {e}") })?;
+    let mut out = Vec::new();
+    for key in ["eos_token_id", "media_placeholder_token_id"] {
+        let n = v.get(key).or_else(|| v.get("text_config").and_then(|t| t.get(key)));
+        if let Some(id) = n.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok()) {
+            out.push((key, id));
+        }
+    }
+    Ok(out)
+}

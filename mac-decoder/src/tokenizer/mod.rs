@@ -15,7 +15,7 @@ use std::path::Path;
 
 use tiktoken_rs::CoreBPE;
 
-pub use files::{config_vocab_size, parse_added_tokens, parse_ranks};
+pub use files::{config_special_ids, config_vocab_size, parse_added_tokens, parse_ranks};
 pub use split::{chunk_pieces, py_isspace, MAX_ENCODE_CHARS, MAX_NO_WHITESPACE_CHARS, PAT_STR};
 pub use stream::Utf8Stream;
 
@@ -123,6 +123,30 @@ impl Tokenizer {
             }
             None => RELEASE_SPECIAL_SLOTS,
         };
+        // What the chat format relies on must be where the files say: the markers inside the
+        // special block, and the ids config.json names spelled as K3 spells them.
+        let vocab = n_base + slots;
+        for (id, name) in &named {
+            if [names::END_OF_MSG, names::OPEN, names::CLOSE, names::SEP, names::MEDIA_PAD].contains(&name.as_str()) && !(n_base..vocab).contains(id) {
+                return Err(TokenizerError::Invalid(format!(
+                    "{} names {name} as id {id}, but {} has {n_base} ranks, so the special ids are {n_base}..{vocab}: the two files do not belong together",
+                    cfg_path.display(),
+                    ranks_path.display()
+                )));
+            }
+        }
+        for (key, id) in config_special_ids(&dir.join("config.json"))? {
+            let want: &[&str] = if key == "eos_token_id" { &[names::END_OF_MSG, names::EOS] } else { &[names::MEDIA_PAD] };
+            let got = named.get(&id).map(String::as_str).unwrap_or("(no name)");
+            if (n_base..vocab).contains(&id) && !want.contains(&got) {
+                return Err(TokenizerError::Invalid(format!(
+                    "{} says {key} = {id}, which {} names {got}, not {}",
+                    dir.join("config.json").display(),
+                    cfg_path.display(),
+                    want.join(" or ")
+                )));
+            }
+        }
         Self::from_parts(ranks, &named, slots)
     }
 
