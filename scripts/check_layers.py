@@ -67,7 +67,7 @@ LAYERS = {
         ["", "main"],
     ],
     "mac-decoder": [
-        ["sampler", "tokenizer", "mlx"],
+        ["sampler", "tokenizer", "mlx", "distributed"],
         ["chat", "model", "generate"],
         ["ingest", "vision"],
         ["decode"],

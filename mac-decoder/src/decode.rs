@@ -98,6 +98,8 @@ pub struct Engine {
     model: K3Text,
     fingerprint: Fingerprint,
     options: EngineOptions,
+    /// The decoder ranks this engine is one of (a group of one in a single process).
+    world: &'static crate::distributed::Group,
 }
 
 impl Engine {
@@ -135,8 +137,10 @@ impl Engine {
         } else {
             indicatif::ProgressBar::hidden()
         };
-        let model = K3Text::load(&mut wl, &config.text_config, |done, _| bar.set_position(done as u64))?;
+        let world = crate::distributed::world()?;
+        let model = K3Text::load(&mut wl, &config.text_config, Some(world), |done, _| bar.set_position(done as u64))?;
         bar.finish_and_clear();
+        world.barrier("every rank has loaded its part of the model", world.start_timeout())?;
         tracing::info!(
             dir = %dir.display(),
             fingerprint = %fingerprint.short(),
@@ -144,9 +148,11 @@ impl Engine {
             dtype = ?compute,
             weight_mb = model.weight_bytes() as f64 / 1e6,
             seconds = t0.elapsed().as_secs_f64(),
+            rank = world.rank(),
+            ranks = world.size(),
             "model loaded"
         );
-        Ok(Engine { config, model, fingerprint, options })
+        Ok(Engine { config, model, fingerprint, options, world })
     }
 
     pub fn config(&self) -> &K3Config {
@@ -243,12 +249,15 @@ impl Engine {
         while c0 < n {
             let c1 = (c0 + self.options.prefill_chunk).min(n);
             let xc = x.try_index_range(c0, c1)?;
-            let hidden = self.model.forward(&xc, &mut s.cache, KdaMode::Chunked)?;
+            // forward reads each MoE layer's routing back (collectives run there too)
+            let wait = self.rank_wait(|| format!("prefilling tokens {c0}..{c1}"), c1 - c0);
+            let hidden = wait.check(self.model.forward(&xc, &mut s.cache, KdaMode::Chunked))?;
             let hidden = if all || c1 < n { hidden } else { hidden.try_index_range(c1 - c0 - 1, c1 - c0)? };
             let logits = if all || c1 == n { Some(self.model.logits(&hidden)?) } else { None };
             let mut to_eval = s.cache.arrays();
             to_eval.extend(logits.as_ref());
-            mlx_rs::transforms::eval(to_eval)?;
+            wait.check(mlx_rs::transforms::eval(to_eval).map_err(anyhow::Error::from))?;
+            drop(wait);
             if let Some(l) = logits {
                 if all || c1 == n {
                     out.extend(to_vec_f32(&l)?);
@@ -314,14 +323,44 @@ impl Engine {
     /// [`Self::step`] keeping the logits in the session only.
     fn advance(&self, s: &mut Session, token: u32) -> Result<()> {
         let ids = self.check_ids(&[token])?;
-        let x = self.model.embed(&array_i32(&ids, &[1], "token")?)?;
-        let hidden = self.model.forward(&x, &mut s.cache, KdaMode::Recurrent)?;
+        let ids = array_i32(&ids, &[1], "token")?;
+        // with ranks: every rank feeds rank 0's token (and checks below that they all agree)
+        let wait = self.rank_wait(|| format!("decoding the token after position {}", s.cache.tokens), 1);
+        let proposed = self.world.all_gather(&ids)?;
+        let fed = if self.world.is_distributed() { proposed.try_index_range(0, 1)? } else { ids };
+        let x = self.model.embed(&fed)?;
+        let hidden = wait.check(self.model.forward(&x, &mut s.cache, KdaMode::Recurrent))?;
         let logits = self.model.logits(&hidden)?;
         let mut to_eval = s.cache.arrays();
         to_eval.push(&logits);
-        mlx_rs::transforms::eval(to_eval)?;
+        to_eval.push(&proposed);
+        wait.check(mlx_rs::transforms::eval(to_eval).map_err(anyhow::Error::from))?;
+        drop(wait);
+        if self.world.is_distributed() {
+            let p = proposed.as_slice::<i32>();
+            if let Some(r) = p.iter().position(|&x| x != p[0]) {
+                bail!("decoder ranks disagree on the token at position {}: rank 0 fed {}, rank {r} sampled {}", s.cache.tokens - 1, p[0], p[r]);
+            }
+        }
         s.last_logits = Some(to_vec_f32(&logits)?);
         Ok(())
+    }
+
+    /// The decoder ranks this engine belongs to.
+    pub fn world(&self) -> &'static crate::distributed::Group {
+        self.world
+    }
+
+    /// Arms the rank watchdog around work that holds collectives (`tokens` scales the timeout:
+    /// one step per 64 prefill tokens); a single process arms nothing.
+    fn rank_wait(&self, what: impl FnOnce() -> String, tokens: usize) -> RankWait {
+        if !self.world.is_distributed() {
+            return RankWait(None);
+        }
+        let timeout = self.world.step_timeout() * tokens.div_ceil(64).max(1) as u32;
+        let what = format!("rank {} of {} {}", self.world.rank(), self.world.size(), what());
+        let guard = crate::distributed::watchdog::guard(&what, timeout);
+        RankWait(Some((guard, what)))
     }
 
     /// The decode loop ([`crate::generate::generate`]) on one session: samples from its last
@@ -345,6 +384,20 @@ impl TokenStep for Stepping<'_> {
     }
     fn feed(&mut self, token: u32) -> Result<()> {
         self.engine.advance(self.session, token)
+    }
+}
+
+/// A watchdog guard and what it waits for (see [`Engine::rank_wait`]).
+struct RankWait(Option<(crate::distributed::watchdog::Guard, String)>);
+
+impl RankWait {
+    /// Names the rank and the step in an error (a peer rank that went away surfaces here as
+    /// MLX's "connection to a peer was lost").
+    fn check<T>(&self, r: Result<T>) -> Result<T> {
+        match &self.0 {
+            Some((_, what)) => r.with_context(|| what.clone()),
+            None => r,
+        }
     }
 }
 

@@ -8,6 +8,8 @@ pub mod server;
 #[cfg(feature = "mlx")]
 pub mod decode;
 #[cfg(feature = "mlx")]
+pub mod distributed;
+#[cfg(feature = "mlx")]
 pub mod ingest;
 #[cfg(feature = "mlx")]
 pub mod mlx;

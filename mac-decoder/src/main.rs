@@ -22,6 +22,8 @@ enum Cmd {
     Render(cli::render::RenderArgs),
     /// Print how the server reads generated ids after a request's prompt.
     Parse(cli::render::ParseArgs),
+    /// Start decoder ranks (one model over several processes/Macs): `launch --ranks N -- generate …`.
+    Launch(cli::launch::Args),
 }
 
 fn main() {
@@ -32,6 +34,7 @@ fn main() {
         Cmd::Serve(a) => cli::serve::run(a),
         Cmd::Render(a) => cli::render::run_render(a),
         Cmd::Parse(a) => cli::render::run_parse(a),
+        Cmd::Launch(a) => cli::launch::run(a),
     };
     k3_protocol::process::exit_on_error("k3-decode", res);
 }

@@ -85,6 +85,18 @@ impl Args {
     }
 }
 
+/// The process's peak resident set (bytes), from `getrusage`.
+#[cfg(feature = "mlx")]
+fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage fills the zeroed struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0;
+    }
+    let v = u.ru_maxrss.max(0) as u64;
+    if cfg!(target_os = "macos") { v } else { v * 1024 } // bytes on macOS, KiB elsewhere
+}
+
 /// Reads a JSON array of token ids.
 pub fn read_ids(path: &std::path::Path) -> anyhow::Result<Vec<u32>> {
     use anyhow::Context;
@@ -156,6 +168,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokens = out.tokens.len(),
             tok_per_s = format!("{:.2}", out.tokens_per_second()),
             finish = ?out.finish,
+            rank = engine.world().rank(),
+            peak_rss_mb = format!("{:.1}", peak_rss_bytes() as f64 / 1e6),
             "decode"
         );
         serde_json::json!({ "tokens": out.tokens })

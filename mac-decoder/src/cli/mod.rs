@@ -2,6 +2,7 @@
 
 pub mod encode_image;
 pub mod generate;
+pub mod launch;
 pub mod prefill_node;
 pub mod render;
 pub mod serve;

@@ -75,17 +75,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), ..Default::default() };
     let max_context = args.max_context;
     let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
-    let engine = EngineHandle::spawn(
-        move || {
-            let e = MlxEngine::load(&dir, opts, max_context)?;
-            match remote {
-                Some(o) => e.with_remote(o),
-                None => Ok(e),
-            }
-        },
-        store,
-        metrics.clone(),
-    )?;
+    let load = move || {
+        let e = MlxEngine::load(&dir, opts, max_context)?;
+        match remote {
+            Some(o) => e.with_remote(o),
+            None => Ok(e),
+        }
+    };
+    // decoder ranks: rank 0 serves, the others follow its sessions (docs/multi-mac.md)
+    let world = crate::distributed::world()?;
+    if world.rank() > 0 {
+        return crate::server::ranks::follow(load()?, world);
+    }
+    let engine = if world.is_distributed() {
+        EngineHandle::spawn(move || Ok(crate::server::ranks::RankedEngine::new(load()?, world)), store, metrics.clone())?
+    } else {
+        EngineHandle::spawn(load, store, metrics.clone())?
+    };
     if engine.vocab_size < tokenizer.vocab_size() as usize {
         anyhow::bail!("the tokenizer has {} ids but the model scores only {}", tokenizer.vocab_size(), engine.vocab_size);
     }

@@ -75,7 +75,7 @@ impl Mxfp4Array {
 
 /// mlx-rs installs its error handler (which stores MLX's message instead of exiting) the first
 /// time one of its own ops runs; make sure that has happened before calling mlx-c directly.
-fn ensure_error_handler() {
+pub(crate) fn ensure_error_handler() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let _ = Array::from_int(0).abs();
@@ -83,7 +83,7 @@ fn ensure_error_handler() {
 }
 
 /// Runs one mlx-c op that writes an array, turning a failure status into an error.
-fn run_op(what: &str, f: impl FnOnce(*mut mlx_array) -> i32) -> Result<Array> {
+pub(crate) fn run_op(what: &str, f: impl FnOnce(*mut mlx_array) -> i32) -> Result<Array> {
     ensure_error_handler();
     // SAFETY: mlx_array_new returns an empty handle that the op fills; on failure we free it.
     let mut res = unsafe { mlx_sys::mlx_array_new() };

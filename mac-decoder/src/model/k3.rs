@@ -12,6 +12,7 @@ use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
 
 use super::cache::{KdaCache, LayerCache, MlaCache, ModelCache};
 use super::weights::WeightLoader;
+use crate::distributed::{expert_range, Group};
 use crate::mlx::{gather_qmm_mxfp4, Mxfp4Array};
 
 /// ε of the MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`), spec §3.0/§8.
@@ -414,19 +415,30 @@ struct LatentMoe {
     down_proj: Array,
     latent_norm: Option<Array>,
     up_proj: Array,
-    /// Routed experts, MXFP4 stacks `[E, out, in]`: w1 gate, w3 up, w2 down.
+    /// Routed experts, MXFP4 stacks `[E, out, in]`: w1 gate, w3 up, w2 down (with ranks: only
+    /// this rank's block `[experts.len(), out, in]`).
     w1: Mxfp4Array,
     w3: Mxfp4Array,
     w2: Mxfp4Array,
     shared: DenseMlp,
     eps: f32,
+    /// Expert parallel: the group and this rank's experts; `None` in a single process.
+    shard: Option<ExpertShard>,
+}
+
+/// The routed experts one rank holds, and the group that sums the ranks' partial outputs.
+struct ExpertShard {
+    group: &'static Group,
+    experts: std::ops::Range<usize>,
 }
 
 impl LatentMoe {
-    fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize) -> Result<Self> {
+    fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize, group: Option<&'static Group>) -> Result<Self> {
         let (h, e, lat, inter) = (c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size);
         let sw = c.shared_expert_width();
         let p = |s: &str| format!("block_sparse_moe.{s}");
+        let shard = group.filter(|g| g.is_distributed()).map(|group| ExpertShard { group, experts: expert_range(e, group.rank(), group.size()) });
+        let mine = shard.as_ref().map_or(0..e, |s| s.experts.clone());
         Ok(LatentMoe {
             top_k: c.num_experts_per_token as i32,
             renormalize: c.moe_renormalize,
@@ -436,15 +448,16 @@ impl LatentMoe {
             down_proj: wl.layer(l, &p("routed_expert_down_proj.weight"), &[lat, h])?,
             latent_norm: if c.latent_moe_use_norm { Some(wl.layer(l, &p("routed_expert_norm.weight"), &[lat])?) } else { None },
             up_proj: wl.layer(l, &p("routed_expert_up_proj.weight"), &[h, lat])?,
-            w1: wl.experts(l, e, "w1", inter, lat)?,
-            w3: wl.experts(l, e, "w3", inter, lat)?,
-            w2: wl.experts(l, e, "w2", lat, inter)?,
+            w1: wl.experts(l, mine.clone(), "w1", inter, lat)?,
+            w3: wl.experts(l, mine.clone(), "w3", inter, lat)?,
+            w2: wl.experts(l, mine, "w2", lat, inter)?,
             shared: DenseMlp {
                 gate: wl.layer(l, &p("shared_experts.gate_proj.weight"), &[sw, h])?,
                 up: wl.layer(l, &p("shared_experts.up_proj.weight"), &[sw, h])?,
                 down: wl.layer(l, &p("shared_experts.down_proj.weight"), &[h, sw])?,
             },
             eps: c.rms_norm_eps,
+            shard,
         })
     }
 
@@ -461,17 +474,64 @@ impl LatentMoe {
         }
         let w = w * self.scaling;
         // routed experts in latent space: y_e = W2_e · SiTU(W1_e x_lat, W3_e x_lat)
-        let x_lat = linear(x, &self.down_proj)?.reshape(&[t, 1, 1, -1])?;
-        let g = gather_qmm_mxfp4(&x_lat, &self.w1, &sel, false)?; // [T, k, 1, inter]
-        let u = gather_qmm_mxfp4(&x_lat, &self.w3, &sel, false)?;
-        let y = gather_qmm_mxfp4(&situ.apply(&g, &u)?, &self.w2, &sel, false)?; // [T, k, 1, lat]
-        let y = y.squeeze_axes(&[2])?;
-        let mut r = (f32(&y)? * ops::expand_dims(&w, -1)?).sum_axis(1, false)?; // Σ_j w_j y_j, FP32
+        let x_lat = linear(x, &self.down_proj)?;
+        let mut r = match &self.shard {
+            None => {
+                let x_lat = x_lat.reshape(&[t, 1, 1, -1])?;
+                let g = gather_qmm_mxfp4(&x_lat, &self.w1, &sel, false)?; // [T, k, 1, inter]
+                let u = gather_qmm_mxfp4(&x_lat, &self.w3, &sel, false)?;
+                let y = gather_qmm_mxfp4(&situ.apply(&g, &u)?, &self.w2, &sel, false)?; // [T, k, 1, lat]
+                let y = y.squeeze_axes(&[2])?;
+                (f32(&y)? * ops::expand_dims(&w, -1)?).sum_axis(1, false)? // Σ_j w_j y_j, FP32
+            }
+            Some(shard) => shard.group.all_sum(&self.local_experts(shard, &x_lat, &sel, &w, situ)?)?,
+        };
         if let Some(n) = &self.latent_norm {
             r = rms_norm(&r, n, self.eps)?;
         }
         let r = linear(&r, &self.up_proj)?;
         Ok(r + self.shared.forward(x, situ)?)
+    }
+
+    /// Expert parallel: this rank's share of `Σ_j w_j y_j`, f32 `[T, lat]` — the selections
+    /// `(t, j)` that fall in its experts, and zeros for the rest (the ranks' shares sum to the
+    /// single-process value). The selection is read back to the host so that only the experts
+    /// actually chosen here are computed (a fixed-shape masked gather would run all `k` slots
+    /// on every rank and read `k` experts per rank, not `k / ranks`).
+    fn local_experts(&self, shard: &ExpertShard, x_lat: &Array, sel: &Array, w: &Array, situ: Situ) -> Result<Array> {
+        let (t, k) = (sel.shape()[0], sel.shape()[1]);
+        let lat = x_lat.shape()[1];
+        let sel = sel.as_dtype(Dtype::Int32)?;
+        sel.eval()?;
+        let (e0, e1) = (shard.experts.start as i32, shard.experts.end as i32);
+        // (flat selection index, local expert), ordered by expert for the gathered matmul
+        let mut picks: Vec<(i32, i32)> = sel
+            .as_slice::<i32>()
+            .iter()
+            .enumerate()
+            .filter(|(_, &e)| e >= e0 && e < e1)
+            .map(|(i, &e)| (i as i32, e - e0))
+            .collect();
+        if picks.is_empty() {
+            return Ok(ops::zeros::<f32>(&[t, lat])?);
+        }
+        picks.sort_by_key(|&(i, e)| (e, i));
+        let p = picks.len() as i32;
+        let flat: Vec<i32> = picks.iter().map(|&(i, _)| i).collect();
+        let local: Vec<i32> = picks.iter().map(|&(_, e)| e).collect();
+        let rows: Vec<i32> = flat.iter().map(|&i| i / k).collect();
+        let flat = Array::from_slice(&flat, &[p]);
+        let rows = Array::from_slice(&rows, &[p]);
+        let local = Array::from_slice(&local, &[p]);
+        let xs = x_lat.take_axis(&rows, 0)?.reshape(&[p, 1, lat])?; // [P, M=1, lat], batch P
+        let g = gather_qmm_mxfp4(&xs, &self.w1, &local, true)?; // [P, 1, inter]
+        let u = gather_qmm_mxfp4(&xs, &self.w3, &local, true)?;
+        let y = gather_qmm_mxfp4(&situ.apply(&g, &u)?, &self.w2, &local, true)?.reshape(&[p, lat])?;
+        let wp = w.reshape(&[t * k])?.take_axis(&flat, 0)?; // [P]
+        // scatter-add the weighted rows back to their tokens: onehot[t, p] · w_p · y_p
+        let onehot = ops::arange::<_, i32>(None, t, None)?.reshape(&[t, 1])?.eq(&rows.reshape(&[1, p])?)?;
+        let route = onehot.as_dtype(Dtype::Float32)? * wp.reshape(&[1, p])?;
+        Ok(route.matmul(&f32(&y)?)?)
     }
 }
 
@@ -521,7 +581,7 @@ impl DecoderLayer {
         v
     }
 
-    fn load(wl: &mut WeightLoader, c: &TextConfig, spec: LayerSpec) -> Result<Self> {
+    fn load(wl: &mut WeightLoader, c: &TextConfig, spec: LayerSpec, group: Option<&'static Group>) -> Result<Self> {
         let (l, h) = (spec.index, c.hidden_size);
         let name = |s: &str| k3_protocol::tensors::layer_tensor(l, s);
         Ok(DecoderLayer {
@@ -540,7 +600,7 @@ impl DecoderLayer {
                     up: wl.layer(l, "mlp.up_proj.weight", &[c.intermediate_size, h])?,
                     down: wl.layer(l, "mlp.down_proj.weight", &[h, c.intermediate_size])?,
                 }),
-                FfnKind::LatentMoe => Ffn::Moe(LatentMoe::load(wl, c, l)?),
+                FfnKind::LatentMoe => Ffn::Moe(LatentMoe::load(wl, c, l, group)?),
             },
         })
     }
@@ -564,13 +624,20 @@ pub struct K3Text {
 
 impl K3Text {
     /// Loads every text weight; `progress` is called after each layer with (done, total).
-    pub fn load(wl: &mut WeightLoader, c: &TextConfig, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
+    /// With a distributed `group` (decoder ranks) only this rank's routed experts are loaded and
+    /// the MoE layers sum the ranks' shares; everything else is replicated.
+    pub fn load(
+        wl: &mut WeightLoader,
+        c: &TextConfig,
+        group: Option<&'static Group>,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let embed = wl.dense(&WeightLoader::text("model.embed_tokens.weight"), &[vocab, h])?;
         let plan = c.layer_plan();
         let mut layers = Vec::with_capacity(plan.len());
         for (i, spec) in plan.iter().enumerate() {
-            let layer = DecoderLayer::load(wl, c, *spec)?;
+            let layer = DecoderLayer::load(wl, c, *spec, group)?;
             // materialise derived weights (fused scores, transposes) once, not per forward
             mlx_rs::transforms::eval(layer.arrays())?;
             layers.push(layer);

@@ -78,10 +78,12 @@ impl<'a> WeightLoader<'a> {
         array_f32(&v, &[n], &name)
     }
 
-    /// All routed experts' `w` ("w1" gate, "w3" up, "w2" down) of layer `l` as one MXFP4 stack.
-    pub fn experts(&mut self, l: usize, n_experts: usize, w: &str, out: usize, inp: usize) -> Result<Mxfp4Array> {
-        let mut parts = Vec::with_capacity(n_experts);
-        for e in 0..n_experts {
+    /// The routed experts `experts` (all of them, or a rank's block) of weight `w` ("w1" gate,
+    /// "w3" up, "w2" down) of layer `l` as one MXFP4 stack. Only those experts' bytes are read
+    /// from the memory-mapped checkpoint.
+    pub fn experts(&mut self, l: usize, experts: std::ops::Range<usize>, w: &str, out: usize, inp: usize) -> Result<Mxfp4Array> {
+        let mut parts = Vec::with_capacity(experts.len());
+        for e in experts {
             let m = self.ck.expert(l, e, w).with_context(|| format!("loading {}", expert_tensor(l, e, w, "weight_packed")))?;
             if m.out_features != out || m.in_features != inp {
                 anyhow::bail!(

@@ -14,6 +14,8 @@ pub mod guard;
 pub mod metrics;
 #[cfg(feature = "mlx")]
 pub mod mlx_engine;
+#[cfg(feature = "mlx")]
+pub mod ranks;
 pub mod sessions;
 pub mod stop;
 pub mod worker;
