@@ -351,13 +351,15 @@ impl Engine {
         self.world
     }
 
-    /// Arms the rank watchdog around work that holds collectives (`tokens` scales the timeout:
-    /// one step per 64 prefill tokens); a single process arms nothing.
+    /// Arms the rank watchdog around work that holds collectives: a decode step (`tokens` 1)
+    /// gets the step timeout, a prefill chunk of `T` tokens `1 + ⌈T/16⌉` of them; a single
+    /// process arms nothing.
     fn rank_wait(&self, what: impl FnOnce() -> String, tokens: usize) -> RankWait {
         if !self.world.is_distributed() {
             return RankWait(None);
         }
-        let timeout = self.world.step_timeout() * tokens.div_ceil(64).max(1) as u32;
+        let steps = if tokens <= 1 { 1 } else { 1 + tokens.div_ceil(16) };
+        let timeout = self.world.step_timeout() * steps as u32;
         let what = format!("rank {} of {} {}", self.world.rank(), self.world.size(), what());
         let guard = crate::distributed::watchdog::guard(&what, timeout);
         RankWait(Some((guard, what)))

@@ -36,5 +36,7 @@ fn main() {
         Cmd::Parse(a) => cli::render::run_parse(a),
         Cmd::Launch(a) => cli::launch::run(a),
     };
+    #[cfg(feature = "mlx")]
+    mac_decoder::distributed::exit_rank_on_error("k3-decode", &res);
     k3_protocol::process::exit_on_error("k3-decode", res);
 }

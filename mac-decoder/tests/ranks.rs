@@ -174,11 +174,12 @@ fn decoding_ranks(n: usize, victim: usize, timeout_s: &str, dir: &Path) -> (Vec<
     let mut ranks = spawn_ranks(n, &args, &[("K3_RANK_TIMEOUT_S", timeout_s)], dir);
     let logs: Vec<_> = ranks.iter_mut().map(stderr_lines).collect();
     let t0 = Instant::now();
+    let mut seen = Vec::new();
     loop {
         match logs[victim].recv_timeout(Duration::from_secs(120)) {
             Ok(l) if l.contains("local prefill") => break,
-            Ok(_) => {}
-            Err(e) => panic!("rank {victim} never finished its prefill: {e}"),
+            Ok(l) => seen.push(l),
+            Err(e) => panic!("rank {victim} never finished its prefill ({e}):\n{}", seen.join("\n")),
         }
         assert!(t0.elapsed() < Duration::from_secs(120));
     }

@@ -28,7 +28,7 @@ pub const ENV_RANK: &str = "MLX_RANK";
 pub const ENV_HOSTFILE: &str = "MLX_HOSTFILE";
 /// Backend name passed to `mlx_distributed_init` (default `ring`).
 pub const ENV_BACKEND: &str = "K3_DIST_BACKEND";
-/// Seconds a decode step (or a prefill chunk, per 64 tokens) may wait on its peers.
+/// Seconds a decode step may wait on its peers (a prefill chunk of T tokens: 1 + ⌈T/16⌉ times it).
 pub const ENV_STEP_TIMEOUT: &str = "K3_RANK_TIMEOUT_S";
 /// Seconds the group may take to form and the ranks may take to load the model.
 pub const ENV_START_TIMEOUT: &str = "K3_RANK_START_TIMEOUT_S";
@@ -191,6 +191,18 @@ impl Group {
             bail!("barrier '{what}': {n} ranks answered, the group has {}", self.size);
         }
         Ok(())
+    }
+}
+
+/// Ends a rank that failed: prints the error like `exit_on_error` and leaves with `_exit(1)`.
+/// After a peer is lost MLX's ring threads are in a failed state, and running the process's
+/// destructors can crash (seen: SIGSEGV at exit); a single process returns and exits normally.
+pub fn exit_rank_on_error(bin: &str, res: &Result<()>) {
+    let in_group = std::env::var_os(ENV_RANK).is_some() && std::env::var_os(ENV_HOSTFILE).is_some();
+    if let (true, Err(e)) = (in_group, res) {
+        eprintln!("{bin}: error: {e:#}");
+        // SAFETY: ends the process at once; nothing is left to flush but stderr (unbuffered).
+        unsafe { libc::_exit(1) };
     }
 }
 
