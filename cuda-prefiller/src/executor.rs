@@ -18,6 +18,7 @@ use k3_protocol::config::{AttnKind, FfnKind};
 use k3_protocol::handoff::{HandoffState, LayerState, MlaState};
 
 use crate::backend::{Backend, DeviceBuf, MlaForm, Routing};
+use crate::calibrate::MoeObserverRef;
 use crate::model::ffn::{latent_moe_back, latent_moe_forward, latent_moe_front, mlp_forward};
 use crate::model::kda::{kda_forward, KdaCache, KdaForm};
 use crate::model::mla::{mla_forward, MlaCache};
@@ -60,11 +61,22 @@ pub struct ExecOptions {
     /// Keep each chunk's residual (bank + `P`) on the host between layers, uploading it for
     /// the chunk's turn (bounds backend memory to about one chunk's residual).
     pub park_on_host: bool,
+    /// Calibration: sees every latent-MoE layer's routing and per-slot expert output norms
+    /// (`k3-prefill calibrate`, [`crate::calibrate`]); the results are unchanged.
+    pub moe_observer: Option<MoeObserverRef>,
 }
 
 impl Default for ExecOptions {
     fn default() -> Self {
-        ExecOptions { chunk_tokens: 512, kda_form: None, mla_form: None, logits: LogitsRows::All, trace_last: false, park_on_host: false }
+        ExecOptions {
+            chunk_tokens: 512,
+            kda_form: None,
+            mla_form: None,
+            logits: LogitsRows::All,
+            trace_last: false,
+            park_on_host: false,
+            moe_observer: None,
+        }
     }
 }
 
@@ -474,7 +486,7 @@ pub fn prefill_with<B: Backend>(
         let mut gaps = Vec::new();
         let nchunks = chunks.len();
         match &w.ffn {
-            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (nchunks > 1 && !opts.park_on_host) => {
+            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (nchunks > 1 && !opts.park_on_host) || opts.moe_observer.is_some() => {
                 // Every token chunk's front first, then the routed experts of all chunks, then the
                 // backs: streamed experts come in chunks, each over all token chunks (they cross
                 // PCIe once); resident ones run once over all token chunks (a backend may share
@@ -489,14 +501,26 @@ pub fn prefill_with<B: Backend>(
                     mids.push(mid);
                     fronts.push(f);
                 }
-                let inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().map(|f| (&f.x_lat, &f.routing)).collect();
-                let outs = match &mw.experts {
+                let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().map(|f| (&f.x_lat, &f.routing)).collect();
+                // Calibration: one more input per chunk, the per-slot flattened one (same pass).
+                let slots = match &opts.moe_observer {
+                    Some(_) => fronts.iter().map(|f| crate::calibrate::slot_inputs(b, &f.x_lat, &f.routing)).collect::<anyhow::Result<Vec<_>>>()?,
+                    None => Vec::new(),
+                };
+                inputs.extend(slots.iter().map(|(x, r)| (x, r)));
+                let mut outs = match &mw.experts {
                     Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
                     None => feed.experts_in_chunks(model, l, &inputs),
                 }
                 .with_context(|| format!("layer {l}: routed experts"))?;
-                ensure!(outs.len() == nchunks, "layer {l}: the weight feed returned {} expert outputs for {nchunks} token chunks", outs.len());
+                ensure!(outs.len() == inputs.len(), "layer {l}: the weight feed returned {} expert outputs for {} inputs", outs.len(), inputs.len());
+                if let Some(obs) = &opts.moe_observer {
+                    for (f, y) in fronts.iter().zip(outs.split_off(nchunks)) {
+                        obs.0.observe(l, &f.routing, &crate::calibrate::slot_norms(b, &y)?).with_context(|| format!("layer {l}: MoE observer"))?;
+                    }
+                }
                 drop(inputs);
+                drop(slots);
                 drop(fronts);
                 for (ci, ((ch, mid), r)) in chunks.iter_mut().zip(mids).zip(outs).enumerate() {
                     let m = latent_moe_back(b, mw, &mid.x2, r, d)?;

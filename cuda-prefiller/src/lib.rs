@@ -2,6 +2,7 @@
 
 pub mod act;
 pub mod backend;
+pub mod calibrate;
 pub mod cli;
 pub mod cpu;
 pub mod cuda;

@@ -22,6 +22,10 @@ enum Cmd {
     Bench(cli::bench::Args),
     /// Serve prefill requests from paired decoders over QUIC.
     Serve(cli::serve::Args),
+    /// Collect routed-expert statistics (REAP saliency, frequency, gate) over a prompt set.
+    Calibrate(cli::calibrate::Args),
+    /// Write a checkpoint pruned to the best routed experts by calibration statistics.
+    Prune(cli::prune::Args),
 }
 
 fn main() {
@@ -32,6 +36,8 @@ fn main() {
         Cmd::Forward(a) => cli::forward::run(a),
         Cmd::Bench(a) => cli::bench::run(a),
         Cmd::Serve(a) => cli::serve::run(a),
+        Cmd::Calibrate(a) => cli::calibrate::run(a),
+        Cmd::Prune(a) => cli::prune::run(a),
     };
     k3_protocol::process::exit_on_error("k3-prefill", res);
 }

@@ -6,6 +6,8 @@
 //! - [`files`]: opening only regular files (a FIFO in place of a shard is refused, never waited on).
 //! - [`mxfp4`]: the compressed-tensors MXFP4 layout, decoded bit-exactly.
 //! - [`fingerprint`]: the model fingerprint both nodes compare.
+//! - [`prune`]: routed-expert pruning: calibration statistics, selection, the pruned checkpoint.
+//! - [`fit`]: which (pruned) model and context length fit which Mac.
 //! - [`handoff`]: the canonical hand-off state and its session file.
 //! - [`synth`]: synthetic models in the release layout (presets of spec §6), and their tokenizer.
 //! - [`testdata`]: where the golden sets live in this repository.
@@ -17,9 +19,11 @@ pub mod checkpoint;
 pub mod config;
 pub mod files;
 pub mod fingerprint;
+pub mod fit;
 pub mod handoff;
 pub mod mxfp4;
 pub mod process;
+pub mod prune;
 pub mod synth;
 pub mod tensors;
 pub mod testdata;

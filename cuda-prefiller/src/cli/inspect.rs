@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use k3_protocol::config::{AttnKind, FfnKind};
+use k3_protocol::fit::{fit_table, FitTable};
 use k3_protocol::tensors::{all_tensors, DerivedSizes, Init, TensorSpec};
 use k3_protocol::{Checkpoint, K3Config, LayerSpec};
 use serde::Serialize;
@@ -25,6 +26,9 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Memory held back on each Mac for macOS and the decoder's buffers in the fit table, GiB.
+    #[arg(long, default_value_t = k3_protocol::fit::DEFAULT_RESERVE_GIB)]
+    pub reserve_gib: f64,
 }
 
 /// Bytes and parameters of one component of the model.
@@ -72,6 +76,8 @@ pub struct Report {
     pub derived: DerivedSizes,
     pub handoff: HandoffSizes,
     pub special_token_ids: SpecialIds,
+    /// Which expert counts fit which Mac Studio at which context length.
+    pub fit: FitTable,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -154,7 +160,7 @@ fn components(cfg: &K3Config, specs: &[TensorSpec]) -> Vec<Component> {
 }
 
 /// The report of a config (and optionally the checkpoint it came with).
-pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)>) -> Report {
+pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)>, reserve_gib: f64) -> Report {
     let c = &cfg.text_config;
     let plan = c.layer_plan();
     let specs = all_tensors(cfg);
@@ -201,6 +207,7 @@ pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)
             pad: cfg.pad_token_id,
             media_placeholder: cfg.media_placeholder_token_id,
         },
+        fit: fit_table(cfg, reserve_gib),
     }
 }
 
@@ -309,6 +316,8 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(s, "  KDA conv windows, BF16    {} B ({})", grouped(h.conv_window_bytes_bf16 as u128), bytes_iec(h.conv_window_bytes_bf16));
     let _ = writeln!(s, "  total at 131,072 tokens   {} B ({})", grouped(h.bytes_at_128k_tokens as u128), bytes_iec(h.bytes_at_128k_tokens));
     let _ = writeln!(s, "  total at 1,048,576 tokens {} B ({})", grouped(h.bytes_at_1m_tokens as u128), bytes_iec(h.bytes_at_1m_tokens));
+    let _ = writeln!(s);
+    s.push_str(&r.fit.render());
     s
 }
 
@@ -326,10 +335,10 @@ pub fn build(args: &Args) -> anyhow::Result<Report> {
     if let Some(dir) = &args.model {
         let ck = Checkpoint::open(dir).with_context(|| format!("checkpoint {}", dir.display()))?;
         let warnings = ck.validate()?;
-        Ok(report(ck.config(), dir, Some((&ck, warnings))))
+        Ok(report(ck.config(), dir, Some((&ck, warnings)), args.reserve_gib))
     } else {
         let path = args.config.as_ref().context("--model or --config is required")?;
-        Ok(report(&load_config(path)?, path, None))
+        Ok(report(&load_config(path)?, path, None, args.reserve_gib))
     }
 }
 
@@ -350,7 +359,12 @@ mod tests {
     use k3_protocol::testdata::golden_dir;
 
     fn args(model: Option<&Path>, config: Option<&Path>) -> Args {
-        Args { model: model.map(Path::to_path_buf), config: config.map(Path::to_path_buf), json: true }
+        Args {
+            model: model.map(Path::to_path_buf),
+            config: config.map(Path::to_path_buf),
+            json: true,
+            reserve_gib: k3_protocol::fit::DEFAULT_RESERVE_GIB,
+        }
     }
 
     /// Issue 21: the fingerprint covered the config and the tensor index only, so checkpoints

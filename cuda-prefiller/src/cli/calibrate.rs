@@ -1,0 +1,189 @@
+//! `k3-prefill calibrate`: routed-expert statistics over a prompt set (docs/pruning.md), by the
+//! normal layer-major prefill with a MoE observer attached ([`crate::calibrate`]). The
+//! statistics file is rewritten after every prompt, so an interrupted run resumes where it
+//! stopped (the prompt file must still start with the prompts already done).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use k3_protocol::handoff::HandoffState;
+use k3_protocol::prune::ExpertStats;
+use k3_protocol::Checkpoint;
+
+use crate::backend::Backend;
+use crate::calibrate::{MoeObserverRef, StatsCollector};
+use crate::cli::forward::{BackendChoice, StreamArgs};
+use crate::cpu::CpuBackend;
+use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
+use crate::model::{Model, WeightPolicy};
+use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for};
+
+/// Arguments of `k3-prefill calibrate`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Checkpoint directory (release layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompts, JSON lines: each a JSON array of token ids (blank lines are skipped).
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Statistics file (JSON, docs/pruning.md). If it exists, calibration resumes from it.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Start over even if `--out` exists.
+    #[arg(long)]
+    pub fresh: bool,
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Tokens per chunk within a layer (calibration holds each chunk's expert input once per
+    /// routed slot: keep it moderate on a GPU, e.g. 2048).
+    #[arg(long)]
+    pub chunk_tokens: Option<usize>,
+    /// CUDA arithmetic: `f32` or `bf16`.
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+}
+
+/// One prompt line: a JSON array of token ids. `{"text": ...}` lines are recognised and refused
+/// with the reason (the prefill node has no tokenizer).
+pub fn parse_prompt(line: &str, lineno: usize, path: &Path) -> anyhow::Result<Vec<u32>> {
+    let v: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("{} line {lineno}: not JSON", path.display()))?;
+    match v {
+        serde_json::Value::Array(a) => {
+            let ids = a
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    x.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .with_context(|| format!("{} line {lineno}: entry {i} ({x}) is not a token id", path.display()))
+                })
+                .collect::<anyhow::Result<Vec<u32>>>()?;
+            if ids.is_empty() {
+                bail!("{} line {lineno}: empty prompt", path.display());
+            }
+            Ok(ids)
+        }
+        serde_json::Value::Object(o) if o.contains_key("text") => bail!(
+            "{} line {lineno}: text prompts are not supported by the prefill node (it has no tokenizer); \
+             give token ids (e.g. from `k3-decode` or the tokenizer of the checkpoint)",
+            path.display()
+        ),
+        _ => bail!("{} line {lineno}: expected a JSON array of token ids", path.display()),
+    }
+}
+
+/// The non-blank lines of the prompt file, trimmed, with their 1-based line numbers.
+fn prompt_lines(path: &Path) -> anyhow::Result<Vec<(usize, String)>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read prompts {}", path.display()))?;
+    Ok(text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l.trim().to_string()))
+        .collect())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.backend {
+        BackendChoice::Cpu => run_with(Arc::new(CpuBackend), &args).map(drop),
+        BackendChoice::Cuda => run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args).map(drop),
+        BackendChoice::Auto => match crate::cuda::probe() {
+            Ok(gpu) => {
+                tracing::info!(%gpu, "--backend auto: using CUDA");
+                run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args).map(drop)
+            }
+            Err(why) => {
+                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference");
+                run_with(Arc::new(CpuBackend), &args).map(drop)
+            }
+        },
+    }
+}
+
+/// The whole command over a chosen backend; returns the final statistics.
+pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::Result<ExpertStats> {
+    let lines = prompt_lines(&args.prompts)?;
+    if lines.is_empty() {
+        bail!("{}: no prompts", args.prompts.display());
+    }
+    let prompts: Vec<Vec<u32>> =
+        lines.iter().map(|(n, l)| parse_prompt(l, *n, &args.prompts)).collect::<anyhow::Result<_>>()?;
+    let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
+    let fingerprint = ck.fingerprint();
+    let model = Model::new(backend, ck, WeightPolicy::PerLayer)?;
+
+    let stats = if args.out.exists() && !args.fresh {
+        let s = ExpertStats::load(&args.out)?;
+        s.check_model(&model.cfg, &fingerprint, &args.out)?;
+        if s.prompts_done > lines.len() {
+            bail!("{}: {} prompts already done, but {} holds only {}", args.out.display(), s.prompts_done, args.prompts.display(), lines.len());
+        }
+        let digest = lines[..s.prompts_done].iter().fold(ExpertStats::new(&model.cfg, &fingerprint).prompts_digest, |d, (_, l)| ExpertStats::chain_digest(&d, l));
+        if digest != s.prompts_digest {
+            bail!(
+                "{}: its first {} prompts differ from those in {} (resume with the same prompt file, or pass --fresh)",
+                args.prompts.display(),
+                s.prompts_done,
+                args.out.display()
+            );
+        }
+        tracing::info!(done = s.prompts_done, total = lines.len(), "resuming calibration");
+        s
+    } else {
+        ExpertStats::new(&model.cfg, &fingerprint)
+    };
+    let done = stats.prompts_done;
+    if done == lines.len() {
+        tracing::info!(out = %args.out.display(), "calibration already complete");
+        return Ok(stats);
+    }
+    let collector = StatsCollector::new(stats);
+    let opts = ExecOptions {
+        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend).min(2048)).max(1),
+        logits: LogitsRows::None,
+        moe_observer: Some(MoeObserverRef(collector.clone())),
+        ..Default::default()
+    };
+    let streamed = if is_cuda(&model) { Some(streamed_weights_for(&model, &args.stream.options()?)?) } else { None };
+    let todo: u64 = prompts[done..].iter().map(|p| p.len() as u64).sum();
+    let bar = ProgressBar::new(todo);
+    bar.set_style(
+        ProgressStyle::with_template("calibrate [{elapsed_precise}] {wide_bar} {pos}/{len} tokens {per_sec} {msg} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let t0 = std::time::Instant::now();
+    for (i, ids) in prompts.iter().enumerate().skip(done) {
+        bar.set_message(format!("prompt {}/{}", i + 1, prompts.len()));
+        let before = collector.snapshot();
+        let mut state = HandoffState::empty(&model.cfg);
+        let r = prefill_maybe_streamed(&model, streamed.as_ref(), &mut state, PrefillInput::tokens(ids), &opts, |_| Ok(()));
+        if let Err(e) = r {
+            collector.restore(before);
+            return Err(e.context(format!("prompt {} ({} line {})", i + 1, args.prompts.display(), lines[i].0)));
+        }
+        let mut s = collector.snapshot();
+        s.prompts_done = i + 1;
+        s.prompts_digest = ExpertStats::chain_digest(&s.prompts_digest, &lines[i].1);
+        s.tokens += ids.len() as u64;
+        s.save(&args.out)?;
+        collector.restore(s);
+        bar.inc(ids.len() as u64);
+    }
+    bar.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    tracing::info!(
+        prompts = prompts.len() - done,
+        tokens = todo,
+        secs = format!("{secs:.3}"),
+        tokens_per_s = format!("{:.1}", todo as f64 / secs.max(1e-9)),
+        out = %args.out.display(),
+        "calibration done"
+    );
+    Ok(collector.snapshot())
+}

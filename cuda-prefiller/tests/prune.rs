@@ -1,0 +1,251 @@
+//! Calibration and pruning on the CPU reference (docs/pruning.md):
+//! - the MoE observer leaves logits and state bit-identical, and its statistics add up;
+//! - `calibrate` resumes to exactly the statistics of one uninterrupted run;
+//! - keeping every expert is a no-op (bit-identical logits);
+//! - a pruned model computes exactly what the full model computes with the dropped experts
+//!   masked out of routing (their selection bias set to −1e30 in a copy of the checkpoint);
+//! - bad inputs get errors that name the cause.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cuda_prefiller::calibrate::{MoeObserverRef, StatsCollector};
+use cuda_prefiller::cli::calibrate as cal;
+use cuda_prefiller::cli::forward::{BackendChoice, StreamArgs};
+use cuda_prefiller::cli::prune as pr;
+use cuda_prefiller::cpu::CpuBackend;
+use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, PrefillOutput};
+use cuda_prefiller::model::{Model, WeightPolicy};
+use k3_protocol::handoff::HandoffState;
+use k3_protocol::prune::{Criterion, ExpertStats, PruneRecord};
+use k3_protocol::synth::{write_model, Preset, SynthOptions};
+use k3_protocol::tensors::layer_tensor;
+use k3_protocol::Checkpoint;
+
+fn synth(dir: &Path, seed: u64, layers: usize) {
+    let mut o = SynthOptions::new(Preset::Tiny);
+    o.seed = seed;
+    o.overrides.layers = Some(layers);
+    o.overrides.vocab = Some(512);
+    write_model(dir, &o).unwrap();
+}
+
+fn prompt(seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % 480) as u32
+        })
+        .collect()
+}
+
+fn model(dir: &Path) -> Model<CpuBackend> {
+    Model::new(Arc::new(CpuBackend), Arc::new(Checkpoint::open(dir).unwrap()), WeightPolicy::Resident).unwrap()
+}
+
+fn run(m: &Model<CpuBackend>, ids: &[u32], opts: &ExecOptions) -> (PrefillOutput, HandoffState) {
+    let mut st = HandoffState::empty(&m.cfg);
+    let out = executor::prefill(m, &mut st, PrefillInput::tokens(ids), opts, |_| Ok(())).unwrap();
+    (out, st)
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+fn write_prompts(path: &Path, prompts: &[Vec<u32>]) {
+    let text: Vec<String> = prompts.iter().map(|p| serde_json::to_string(p).unwrap()).collect();
+    std::fs::write(path, text.join("\n\n") + "\n").unwrap();
+}
+
+fn cal_args(model: &Path, prompts: &Path, out: &Path) -> cal::Args {
+    cal::Args {
+        model: model.to_path_buf(),
+        prompts: prompts.to_path_buf(),
+        out: out.to_path_buf(),
+        fresh: false,
+        backend: BackendChoice::Cpu,
+        chunk_tokens: Some(16),
+        precision: "f32".into(),
+        stream: StreamArgs { vram_budget: None, expert_chunk: None, stream_readers: None, stage_mib: 256 },
+    }
+}
+
+fn prune_args(model: &Path, stats: &Path, keep: Option<usize>, out: &Path) -> pr::Args {
+    pr::Args {
+        model: model.to_path_buf(),
+        stats: stats.to_path_buf(),
+        keep,
+        budget_gb: None,
+        mode: pr::Mode::Uniform,
+        criterion: Criterion::Reap,
+        seed: 0,
+        out: out.to_path_buf(),
+    }
+}
+
+#[test]
+fn observer_changes_nothing_and_its_statistics_add_up() {
+    let d = tempfile::tempdir().unwrap();
+    synth(d.path(), 1, 5);
+    let m = model(d.path());
+    let ids = prompt(3, 40);
+    let plain = ExecOptions { chunk_tokens: 16, ..Default::default() };
+    let (a, sa) = run(&m, &ids, &plain);
+    let ck = Checkpoint::open(d.path()).unwrap();
+    let col = StatsCollector::new(ExpertStats::new(&m.cfg, &ck.fingerprint()));
+    let observed = ExecOptions { moe_observer: Some(MoeObserverRef(col.clone())), ..plain.clone() };
+    let (b, sb) = run(&m, &ids, &observed);
+    assert_eq!(bits(&a.logits), bits(&b.logits), "calibration changes no logit");
+    for ((n, _, x), (_, _, y)) in sa.named_tensors().into_iter().zip(sb.named_tensors()) {
+        assert_eq!(bits(x), bits(y), "{n}");
+    }
+    let s = col.snapshot();
+    let (k, n) = (m.cfg.num_experts_per_token, m.cfg.num_experts);
+    assert_eq!(s.layers.len(), 4, "layers 1..5 are MoE");
+    for l in &s.layers {
+        assert_eq!(l.tokens, 40, "layer {}", l.layer);
+        assert_eq!(l.count.iter().sum::<u64>(), 40 * k as u64);
+        // Renormalised weights × routed_scaling_factor sum to the factor per token.
+        let g: f64 = l.gate_sum.iter().sum();
+        assert!((g - 40.0 * m.cfg.routed_scaling_factor as f64).abs() < 1e-3, "layer {}: gate sum {g}", l.layer);
+        for e in 0..n {
+            assert_eq!(l.count[e] == 0, l.saliency_sum[e] == 0.0, "layer {} expert {e}", l.layer);
+            assert!(l.reap(e) >= 0.0 && l.reap(e).is_finite());
+            assert!(l.mean_gate(e) <= m.cfg.routed_scaling_factor as f64 + 1e-6);
+        }
+        assert!(l.count.iter().filter(|&&c| c > 0).count() > k, "layer {}: routing spreads over experts", l.layer);
+    }
+}
+
+#[test]
+fn calibration_resumes_to_the_same_statistics() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    synth(&dir, 2, 4);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(10 + i, 9 + 5 * i as usize)).collect();
+    let all = d.path().join("all.jsonl");
+    write_prompts(&all, &prompts);
+    let once = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &all, &d.path().join("once.json"))).unwrap();
+    assert_eq!(once.prompts_done, 3);
+    assert_eq!(once.tokens, 9 + 14 + 19);
+    // Two prompts, then resume with all three.
+    let first = d.path().join("first.jsonl");
+    write_prompts(&first, &prompts[..2]);
+    let out = d.path().join("resumed.json");
+    let part = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &first, &out)).unwrap();
+    assert_eq!(part.prompts_done, 2);
+    let resumed = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &all, &out)).unwrap();
+    assert_eq!(resumed, once, "resumed statistics equal one run's, bit for bit");
+    assert_eq!(ExpertStats::load(&out).unwrap(), once);
+    // A prompt file that no longer starts with the prompts done is refused.
+    let other = d.path().join("other.jsonl");
+    write_prompts(&other, &[prompt(99, 5), prompt(98, 5), prompt(97, 5)]);
+    let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &out)).unwrap_err());
+    assert!(e.contains("differ"), "{e}");
+    // Bad prompt lines name the line.
+    std::fs::write(&other, "[1, 2]\n{\"text\": \"hello\"}\n").unwrap();
+    let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &d.path().join("x.json"))).unwrap_err());
+    assert!(e.contains("line 2") && e.contains("tokenizer"), "{e}");
+    std::fs::write(&other, "[1, -2]\n").unwrap();
+    let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &d.path().join("x.json"))).unwrap_err());
+    assert!(e.contains("line 1") && e.contains("entry 1"), "{e}");
+}
+
+/// A copy of `src` whose routers never select the experts outside `kept` (bias −1e30).
+fn masked_copy(src: &Path, dst: &Path, kept: &[(usize, Vec<usize>)]) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    let ck = Checkpoint::open(src).unwrap();
+    for (l, ids) in kept {
+        let name = layer_tensor(*l, "block_sparse_moe.gate.e_score_correction_bias");
+        let entry = ck.entry(&name).unwrap().clone();
+        let path = dst.join(ck.shard_name(entry.shard));
+        let mut bytes = std::fs::read(&path).unwrap();
+        for e in 0..entry.shape[0] {
+            if !ids.contains(&e) {
+                let at = entry.start + 4 * e;
+                bytes[at..at + 4].copy_from_slice(&(-1e30f32).to_le_bytes());
+            }
+        }
+        std::fs::write(&path, bytes).unwrap();
+    }
+}
+
+#[test]
+fn pruning_equals_masked_routing_and_keeping_all_is_a_no_op() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    synth(&src, 4, 5);
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| prompt(20 + i, 24)).collect();
+    let pf = d.path().join("p.jsonl");
+    write_prompts(&pf, &prompts);
+    let stats = d.path().join("stats.json");
+    cal::run_with(Arc::new(CpuBackend), &cal_args(&src, &pf, &stats)).unwrap();
+    let ids = prompt(77, 33);
+    let opts = ExecOptions { chunk_tokens: 16, ..Default::default() };
+    let (full, _) = run(&model(&src), &ids, &opts);
+
+    // Keep all 16: the same logits, bit for bit.
+    let all = d.path().join("all");
+    pr::run_args(&prune_args(&src, &stats, Some(16), &all)).unwrap();
+    let (same, _) = run(&model(&all), &ids, &opts);
+    assert_eq!(bits(&same.logits), bits(&full.logits));
+
+    // Keep 6 of 16 (top-4): equal to the full model with the other 10 masked out of routing.
+    let six = d.path().join("six");
+    pr::run_args(&prune_args(&src, &stats, Some(6), &six)).unwrap();
+    let rec = PruneRecord::load(&six).unwrap().unwrap();
+    assert_eq!(rec.num_experts, 6);
+    assert_eq!(rec.source_fingerprint, Checkpoint::open(&src).unwrap().fingerprint().hex());
+    let kept: Vec<(usize, Vec<usize>)> = rec.kept.clone().into_iter().collect();
+    let masked = d.path().join("masked");
+    masked_copy(&src, &masked, &kept);
+    let (p, _) = run(&model(&six), &ids, &opts);
+    let (q, _) = run(&model(&masked), &ids, &opts);
+    assert_eq!(bits(&p.logits), bits(&q.logits), "pruned = masked routing");
+    assert_ne!(bits(&p.logits), bits(&full.logits), "dropping experts changes the model");
+    assert_ne!(Checkpoint::open(&six).unwrap().fingerprint(), Checkpoint::open(&src).unwrap().fingerprint());
+}
+
+#[test]
+fn bad_prune_inputs_name_the_cause() {
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("src");
+    synth(&src, 5, 4);
+    let other = d.path().join("other");
+    synth(&other, 5, 5);
+    let pf = d.path().join("p.jsonl");
+    write_prompts(&pf, &[prompt(1, 8)]);
+    let stats = d.path().join("stats.json");
+    cal::run_with(Arc::new(CpuBackend), &cal_args(&src, &pf, &stats)).unwrap();
+    let err = |a: pr::Args| format!("{:#}", pr::run_args(&a).unwrap_err());
+    let out = d.path().join("out");
+    let e = err(prune_args(&src, &stats, Some(17), &out));
+    assert!(e.contains("--keep 17 exceeds") && e.contains("16"), "{e}");
+    let e = err(prune_args(&src, &stats, Some(3), &out));
+    assert!(e.contains("below the router's top-k (4"), "{e}");
+    let e = err(prune_args(&other, &stats, Some(8), &out));
+    assert!(e.contains("another model"), "{e}");
+    let mut a = prune_args(&src, &stats, None, &out);
+    a.budget_gb = Some(0.0001);
+    let e = err(a);
+    assert!(e.contains("no pruned model fits"), "{e}");
+    let mut a = prune_args(&src, &stats, Some(8), &out);
+    a.mode = pr::Mode::Global;
+    let e = err(a);
+    assert!(e.contains("--mode global"), "{e}");
+    assert!(!out.exists(), "no output after errors");
+    // A budget that fits picks the largest count that fits.
+    let mut a = prune_args(&src, &stats, None, &out);
+    let full = Checkpoint::open(&src).unwrap().total_bytes();
+    a.budget_gb = Some((full - 1) as f64 / 1e9);
+    let r = pr::run_args(&a).unwrap();
+    assert!(r.bytes_written < full);
+    assert_eq!(Checkpoint::open(&out).unwrap().config().text_config.num_experts, 15);
+    let _ = PathBuf::new();
+}
