@@ -68,7 +68,7 @@ fn cal_args(model: &Path, prompts: &Path, out: &Path) -> cal::Args {
         backend: BackendChoice::Cpu,
         chunk_tokens: Some(16),
         precision: "f32".into(),
-        stream: StreamArgs { vram_budget: None, expert_chunk: None, stream_readers: None, stage_mib: 256 },
+        stream: StreamArgs { vram_budget: None, expert_chunk: None, stream_readers: None, stage_mib: 256, pin_host: false, direct_io: false },
     }
 }
 
@@ -119,6 +119,19 @@ fn observer_changes_nothing_and_its_statistics_add_up() {
     }
 }
 
+/// Counts, tokens and digests equal; the f64 sums equal up to the last bit or two (they pass
+/// through the JSON file, whose parser is not correctly rounded in every case).
+fn same_stats(a: &ExpertStats, b: &ExpertStats) {
+    assert_eq!((a.prompts_done, &a.prompts_digest, a.tokens), (b.prompts_done, &b.prompts_digest, b.tokens));
+    assert_eq!(a.layers.len(), b.layers.len());
+    for (x, y) in a.layers.iter().zip(&b.layers) {
+        assert_eq!((x.layer, x.tokens, &x.count), (y.layer, y.tokens, &y.count));
+        for (u, v) in x.gate_sum.iter().zip(&y.gate_sum).chain(x.saliency_sum.iter().zip(&y.saliency_sum)) {
+            assert!((u - v).abs() <= 1e-14 * u.abs().max(1.0), "layer {}: {u} vs {v}", x.layer);
+        }
+    }
+}
+
 #[test]
 fn calibration_resumes_to_the_same_statistics() {
     let d = tempfile::tempdir().unwrap();
@@ -137,8 +150,8 @@ fn calibration_resumes_to_the_same_statistics() {
     let part = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &first, &out)).unwrap();
     assert_eq!(part.prompts_done, 2);
     let resumed = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &all, &out)).unwrap();
-    assert_eq!(resumed, once, "resumed statistics equal one run's, bit for bit");
-    assert_eq!(ExpertStats::load(&out).unwrap(), once);
+    same_stats(&resumed, &once);
+    same_stats(&ExpertStats::load(&out).unwrap(), &once);
     // A prompt file that no longer starts with the prompts done is refused.
     let other = d.path().join("other.jsonl");
     write_prompts(&other, &[prompt(99, 5), prompt(98, 5), prompt(97, 5)]);

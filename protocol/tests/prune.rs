@@ -81,6 +81,7 @@ fn keeping_every_expert_copies_every_tensor_bit_exactly() {
     }
     // The same model: same config and tensors, so the same fingerprint.
     assert_eq!(p.fingerprint(), ck.fingerprint());
+    assert_eq!(p.state_identity(), ck.state_identity());
     assert!(std::fs::metadata(out.join("tiktoken.model")).is_ok(), "tokenizer copied");
 }
 
@@ -105,6 +106,8 @@ fn pruned_checkpoint_renumbers_experts_and_slices_the_router() {
     let p = Checkpoint::open(&out).unwrap();
     assert_eq!(p.config().text_config.num_experts, 6);
     assert_ne!(p.fingerprint(), ck.fingerprint(), "a pruned model has its own fingerprint");
+    assert_eq!(p.state_identity(), ck.state_identity(), "and the state identity of its source");
+    assert_ne!(p.state_identity(), p.fingerprint());
     assert_eq!(r.bytes_written, p.total_bytes());
     assert_eq!(p.total_bytes(), pruned_bytes(ck.config(), 6), "the size formula is exact");
     let mut cfg6 = ck.config().clone();
@@ -145,6 +148,23 @@ fn pruned_checkpoint_renumbers_experts_and_slices_the_router() {
     let e = prune_checkpoint(&ck, &kept, &rec, &out, &hidden()).unwrap_err().to_string();
     assert!(e.contains("already exists"), "{e}");
     assert!(!Path::new(&format!("{}.partial", out.display())).exists());
+}
+
+#[test]
+fn state_identity_ignores_only_the_routed_experts() {
+    let d = tempfile::tempdir().unwrap();
+    let a = tiny(1, &d.path().join("a"));
+    let mut o = SynthOptions::new(Preset::Tiny);
+    o.overrides.layers = Some(4);
+    o.overrides.experts = Some(8);
+    write_model(&d.path().join("b"), &o).unwrap();
+    let b = Checkpoint::open(&d.path().join("b")).unwrap();
+    assert_ne!(a.fingerprint(), b.fingerprint());
+    assert_eq!(a.state_identity(), b.state_identity(), "differ only in the routed experts");
+    o.overrides.shared_experts = Some(1);
+    write_model(&d.path().join("e"), &o).unwrap();
+    let e = Checkpoint::open(&d.path().join("e")).unwrap();
+    assert_ne!(a.state_identity(), e.state_identity(), "shared experts produce state");
 }
 
 #[test]
