@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cuda_prefiller::calibrate::{MoeObserverRef, StatsCollector};
 use cuda_prefiller::cli::calibrate as cal;
-use cuda_prefiller::cli::forward::{BackendChoice, StreamArgs};
+use cuda_prefiller::cli::forward::BackendChoice;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, PrefillOutput};
@@ -60,16 +60,10 @@ fn write_prompts(path: &Path, prompts: &[Vec<u32>]) {
 }
 
 fn cal_args(model: &Path, prompts: &Path, out: &Path) -> cal::Args {
-    cal::Args {
-        model: model.to_path_buf(),
-        prompts: prompts.to_path_buf(),
-        out: out.to_path_buf(),
-        fresh: false,
-        backend: BackendChoice::Cpu,
-        chunk_tokens: Some(16),
-        precision: "f32".into(),
-        stream: StreamArgs { vram_budget: None, expert_chunk: None, stream_readers: None, stage_mib: 256, pin_host: false, direct_io: false },
-    }
+    let mut a = cal::Args::with_paths(model, prompts, out);
+    a.backend = BackendChoice::Cpu;
+    a.chunk_tokens = Some(16);
+    a
 }
 
 fn prune_args(model: &Path, stats: &Path, keep: Option<usize>, out: &Path) -> pr::Args {

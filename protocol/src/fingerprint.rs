@@ -347,33 +347,25 @@ pub fn is_routed_expert_or_router(name: &str) -> bool {
     name.contains(".block_sparse_moe.experts.") || name.contains(".block_sparse_moe.gate.")
 }
 
-/// The state-compatibility identity (docs/pruning.md): the fingerprint of everything except the
-/// routed experts and their router — the config with `num_experts` set to 0 and the tensor index
-/// without [`is_routed_expert_or_router`] tensors. A model pruned from another (k3-prefill prune)
-/// has the same state identity as its source and a different fingerprint, so a decoder running
-/// the pruned model can recognise hand-off states computed by the full source model.
-pub fn state_identity_of(config: &K3Config, tensors: &mut [(String, &'static str, Vec<usize>)]) -> Fingerprint {
+/// The state-compatibility identity (docs/pruning.md): the model fingerprint (config, index,
+/// weights) of everything except the routed experts and their router — the config with
+/// `num_experts` set to 0, the tensor index and weight digests without
+/// [`is_routed_expert_or_router`] tensors. A model pruned from another (`k3-prefill prune`) has
+/// the same state identity as its source and a different fingerprint, so a decoder running the
+/// pruned model can recognise hand-off states computed by the full source model.
+pub fn state_identity_of(config: &K3Config, tensors: &mut [IndexEntry], weights: &WeightDigest) -> Fingerprint {
     let mut cfg = config.clone();
     cfg.text_config.num_experts = 0;
-    let mut kept: Vec<(String, &'static str, Vec<usize>)> =
-        tensors.iter().filter(|(n, _, _)| !is_routed_expert_or_router(n)).cloned().collect();
-    let inner = fingerprint_of(&cfg, &mut kept);
+    let mut kept: Vec<IndexEntry> = tensors.iter().filter(|(n, _, _)| !is_routed_expert_or_router(n)).cloned().collect();
     let mut h = Sha256::new();
-    h.update(b"k3-offload state identity v1\n");
-    h.update(inner.0);
+    h.update(b"k3-offload state identity v1 (config, index, weights; no routed experts or router)\n");
+    hash_index(&mut h, &cfg, &mut kept, Some(weights));
     Fingerprint(h.finalize().into())
 }
 
 impl Checkpoint {
     /// This checkpoint's state-compatibility identity ([`state_identity_of`]).
     pub fn state_identity(&self) -> Fingerprint {
-        let mut list: Vec<(String, &'static str, Vec<usize>)> = self
-            .tensor_names()
-            .map(|n| {
-                let e = self.entry(n).expect("listed");
-                (n.to_string(), e.dtype.name(), e.shape.clone())
-            })
-            .collect();
-        state_identity_of(self.config(), &mut list)
+        state_identity_of(self.config(), &mut self.index_entries(), self.weight_digest())
     }
 }

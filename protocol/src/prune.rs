@@ -600,7 +600,7 @@ pub fn prune_checkpoint(
         let entry = entry.map_err(io(src.dir()))?;
         let name = entry.file_name().to_string_lossy().to_string();
         let skip = shard_names.contains(&name)
-            || ["config.json", "model.safetensors.index.json", RECORD_FILE].contains(&name.as_str());
+            || ["config.json", "model.safetensors.index.json", RECORD_FILE, crate::fingerprint::DIGEST_FILE].contains(&name.as_str());
         if !skip && entry.file_type().map_err(io(&entry.path()))?.is_file() {
             std::fs::copy(entry.path(), partial.join(&name)).map_err(io(&entry.path()))?;
         }

@@ -155,12 +155,15 @@ fn state_identity_ignores_only_the_routed_experts() {
     let d = tempfile::tempdir().unwrap();
     let a = tiny(1, &d.path().join("a"));
     let mut o = SynthOptions::new(Preset::Tiny);
+    o.seed = 1; // the same non-expert weights as `a` (synthetic weights depend on seed and name)
     o.overrides.layers = Some(4);
     o.overrides.experts = Some(8);
     write_model(&d.path().join("b"), &o).unwrap();
     let b = Checkpoint::open(&d.path().join("b")).unwrap();
     assert_ne!(a.fingerprint(), b.fingerprint());
     assert_eq!(a.state_identity(), b.state_identity(), "differ only in the routed experts");
+    let f = tiny(2, &d.path().join("f"));
+    assert_ne!(a.state_identity(), f.state_identity(), "other weights: another identity");
     o.overrides.shared_experts = Some(1);
     write_model(&d.path().join("e"), &o).unwrap();
     let e = Checkpoint::open(&d.path().join("e")).unwrap();
@@ -205,9 +208,9 @@ fn statistics_round_trip_and_reject_another_model() {
     let back = ExpertStats::load(&path).unwrap();
     assert_eq!(back, s);
     back.check_model(&a.config().text_config, &a.fingerprint(), &path).unwrap();
-    // Same shapes, other weights: the weight bytes are not hashed by this fingerprint yet, so
-    // use a model with another config.
-    let e = back.check_model(&b.config().text_config, &k3_protocol::Fingerprint([7; 32]), &path).unwrap_err().to_string();
+    // Same config and shapes, other weights (seed): another fingerprint.
+    assert_eq!(a.index_fingerprint(), b.index_fingerprint());
+    let e = back.check_model(&b.config().text_config, &b.fingerprint(), &path).unwrap_err().to_string();
     assert!(e.contains("another model"), "{e}");
     let text = std::fs::read_to_string(&path).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();

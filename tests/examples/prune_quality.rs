@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use cuda_prefiller::cli::calibrate as cal;
-use cuda_prefiller::cli::forward::{BackendChoice, StreamArgs};
+use cuda_prefiller::cli::forward::BackendChoice;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, LogitsRows, PrefillInput};
@@ -128,15 +128,12 @@ fn main() -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let s = cal::run_with(
         Arc::new(CpuBackend),
-        &cal::Args {
-            model: o.model.clone(),
-            prompts: prompts.clone(),
-            out: stats.clone(),
-            fresh: true,
-            backend: BackendChoice::Cpu,
-            chunk_tokens: Some(512),
-            precision: "f32".into(),
-            stream: StreamArgs { vram_budget: None, expert_chunk: None, stream_readers: None, stage_mib: 256, pin_host: false, direct_io: false },
+        &{
+            let mut a = cal::Args::with_paths(&o.model, &prompts, &stats);
+            a.fresh = true;
+            a.backend = BackendChoice::Cpu;
+            a.chunk_tokens = Some(512);
+            a
         },
     )?;
     let calib_s = t0.elapsed().as_secs_f64();

@@ -48,6 +48,24 @@ pub struct Args {
     pub stream: StreamArgs,
 }
 
+impl Args {
+    /// The command's defaults with these paths (for programs and tests that call [`run_with`]).
+    pub fn with_paths(model: &Path, prompts: &Path, out: &Path) -> Self {
+        use clap::{Args as _, FromArgMatches};
+        let cmd = Self::augment_args(clap::Command::new("calibrate"));
+        let m = cmd.get_matches_from([
+            std::ffi::OsStr::new("calibrate"),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--prompts".as_ref(),
+            prompts.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ]);
+        Self::from_arg_matches(&m).expect("the defaults parse")
+    }
+}
+
 /// One prompt line: a JSON array of token ids. `{"text": ...}` lines are recognised and refused
 /// with the reason (the prefill node has no tokenizer).
 pub fn parse_prompt(line: &str, lineno: usize, path: &Path) -> anyhow::Result<Vec<u32>> {
