@@ -3,7 +3,7 @@
 # Usage: scripts/gpu-run.sh [tests] [bench ARGS...]   Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export K3_GOLDEN_DIR="$PWD/tests/golden/tiny-a" K3_KERNEL_CACHE=/tmp/k3-kernels RUST_LOG=${RUST_LOG:-warn}
+export K3_GOLDEN_DIR="$PWD/tests/golden/tiny-a" K3_TINY_T_DIR="${K3_TINY_T_DIR:-$PWD/tests/models/tiny-t}" K3_KERNEL_CACHE=/tmp/k3-kernels RUST_LOG=${RUST_LOG:-warn}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 summary=()
 if [ "${1:-tests}" = tests ]; then

@@ -1,8 +1,9 @@
-//! tiny-a forward on the GPU against the golden set (spec/golden README):
-//! - F32 check mode: logits per row ≤ 1e-3 relative (rows whose router margin `moe.topk_gap`
-//!   is below 1e-5 are listed and exempt), KDA states / conv windows / MLA latents ≤ 1e-3.
-//! - BF16 mode: greedy decode tokens identical, logits rows ≤ 2e-2 relative except rows whose
-//!   margin is below 1e-3, which are listed; hand-off state within the same 2e-2.
+//! tiny-a forward on the GPU against the golden set (spec/golden README), F32 check mode:
+//! logits per row ≤ 1e-3 relative (rows whose router margin `moe.topk_gap` is below 1e-5 are
+//! listed and exempt), KDA states / conv windows / MLA latents ≤ 1e-3, greedy decode tokens
+//! identical. BF16 is checked on the trained model instead (`cuda_tiny_t.rs`, issue 15): on
+//! tiny-a's random weights one BF16 rounding decorrelates the logits (57 % argmax agreement
+//! measured), so tiny-a's BF16 "greedy identical" criterion was withdrawn.
 //! Golden directory: `$K3_GOLDEN_DIR` or the workspace's `tests/golden/tiny-a`.
 
 mod cuda_util;
@@ -10,7 +11,7 @@ mod cuda_util;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cuda_prefiller::cuda::{Bf16Parts, CudaBackend, Precision};
+use cuda_prefiller::cuda::{CudaBackend, Precision};
 use cuda_prefiller::executor::{greedy, prefill, ExecOptions, PrefillInput};
 use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_util::*;
@@ -31,9 +32,8 @@ fn i64s(st: &SafeTensors, name: &str) -> Vec<i64> {
     t.data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
 }
 
-/// Worst non-exempt logits row error, the exempt rows, and whether greedy decode matches.
+/// Rows over the bound, whether greedy decode matches, the per-layer error of the last position.
 struct Outcome {
-    worst: f64,
     failures: Vec<(usize, f64, f32)>,
     greedy_same: bool,
     layer_err: Vec<f64>,
@@ -41,25 +41,6 @@ struct Outcome {
 
 fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
     let Some(be) = cuda(p) else { return };
-    if p == Precision::Bf16 {
-        // Where does BF16 rounding enter? One part at a time (diagnostic, printed).
-        for (name, parts) in [
-            ("round", Bf16Parts { round: true, ..Bf16Parts::NONE }),
-            ("gemm", Bf16Parts { gemm: true, ..Bf16Parts::NONE }),
-            ("experts", Bf16Parts { experts: true, ..Bf16Parts::NONE }),
-            ("attn", Bf16Parts { attn: true, ..Bf16Parts::NONE }),
-        ] {
-            let b = CudaBackend::with_parts(p, parts).expect("backend");
-            let o = forward(b, p, logit_tol, gap_exempt, state_tol, false);
-            eprintln!(
-                "BF16 part {name:8}: worst row {:.3e}, {} rows over {logit_tol:e}, greedy identical: {}, last-position P error by layer: {}",
-                o.worst,
-                o.failures.len(),
-                o.greedy_same,
-                o.layer_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ")
-            );
-        }
-    }
     let o = forward(be, p, logit_tol, gap_exempt, state_tol, true);
     eprintln!(
         "{p:?}: last-position P error by layer: {}",
@@ -133,17 +114,12 @@ fn forward(be: CudaBackend, p: Precision, logit_tol: f64, gap_exempt: f32, state
     if check_state {
         eprintln!("{p:?}: greedy decode {:?}\n{p:?}: golden decode {:?}", tokens, gold_tokens);
     }
-    Outcome { worst, failures, greedy_same: tokens == gold_tokens, layer_err }
+    Outcome { failures, greedy_same: tokens == gold_tokens, layer_err }
 }
 
 #[test]
 fn cuda_tiny_a_forward_f32_matches_golden() {
     run(Precision::F32, 1e-3, 1e-5, 1e-3);
-}
-
-#[test]
-fn cuda_tiny_a_forward_bf16_greedy_identical() {
-    run(Precision::Bf16, 2e-2, 1e-3, 2e-2);
 }
 
 #[test]

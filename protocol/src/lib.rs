@@ -11,12 +11,14 @@
 //! - [`handoff`]: the canonical hand-off state and its session file.
 //! - [`synth`]: synthetic models in the release layout (presets of spec §6), and their tokenizer.
 //! - [`testdata`]: where the golden sets live in this repository.
+//! - [`eval`]: perplexity, top-1 agreement and greedy-divergence checks between engines.
 //! - [`wire`]: the hand-off protocol without I/O (messages, frames, chunks, state assembly).
 //! - [`transport`]: the hand-off protocol over QUIC (pinned TLS, prefill server and client).
 //! - [`process`]: logging set-up and error exit shared by the two binaries.
 
 pub mod checkpoint;
 pub mod config;
+pub mod eval;
 pub mod files;
 pub mod fingerprint;
 pub mod fit;
