@@ -16,7 +16,7 @@ if [ "${1:-tests}" = tests ]; then
     el=$(python3 -c "print(f'{$(date +%s.%N)-$start:.1f}')")
     res=$(grep -E "^test result" "$OUT/$n.log" | tail -1)
     summary+=("$(printf '%-14s rc=%d %6ss  %s' "$n" "$rc" "$el" "$res")")
-    grep -E "rel err|worst|exempt|identical|panicked|FAILED|SKIPPED" "$OUT/$n.log" | head -60
+    grep -E "rel err|worst|exempt|identical|panicked|FAILED|SKIPPED|^\| |diverge" "$OUT/$n.log" | head -60
   done
 fi
 printf '%s\n' "${summary[@]}"
