@@ -122,13 +122,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     use crate::decode::{ComputeDtype, Engine, EngineOptions};
 
-    let conversation = args.node.prefill_node.is_some() || !args.next_turn.is_empty();
+    // A timing table needs the per-turn path (it times local turns too: the demo compares both).
+    let conversation = args.node.prefill_node.is_some() || !args.next_turn.is_empty() || args.timing_json.is_some();
     // Read every input before the (slow) model load, so a wrong path fails at once.
     let turns = if conversation {
         if args.state.is_some() {
-            bail!("--state cannot be combined with --prefill-node or --next-turn (a conversation starts from its prompt ids)");
+            bail!("--state cannot be combined with --prefill-node, --next-turn or --timing-json (a conversation starts from its prompt ids)");
         }
-        let first = args.input_ids.as_deref().context("--prefill-node and --next-turn need --input-ids (the first turn's prompt)")?;
+        let first = args.input_ids.as_deref().context("--prefill-node, --next-turn and --timing-json need --input-ids (the first turn's prompt)")?;
         let mut turns = vec![read_ids(first)?];
         for p in &args.next_turn {
             turns.push(read_ids(p)?);
