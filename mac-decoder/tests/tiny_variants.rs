@@ -161,12 +161,12 @@ fn deeper_variant_with_more_experts_and_long_prompt() {
     });
 }
 
-/// The BF16 path (weights as stored, activations BF16 between the FP32 islands) against the
+/// The BF16 path (BF16 weights and GEMM inputs, FP32 activations) against the
 /// f32 path. The random test networks amplify input rounding steeply with depth: a 2e-3
 /// relative perturbation of the f32 embeddings alone moves the logits by 2e-2 (2 layers),
 /// 0.41 (3 layers) and 1.47 (tiny-a, 9 layers), measured. So the comparison uses a 2-layer
 /// variant that still has every block kind (KDA + dense FFN, MLA + latent MoE, AttnRes), with a
-/// bound of 5e-2 (measured 2.6e-2). Rows with a router margin below 1e-3 are listed (golden README).
+/// loose bound (see below). Rows with a router margin below 1e-3 are listed (golden README).
 #[test]
 fn bf16_path_tracks_f32_on_a_two_layer_variant() {
     use mac_decoder::decode::{ComputeDtype, EngineOptions};
@@ -194,9 +194,14 @@ fn bf16_path_tracks_f32_on_a_two_layer_variant() {
     let worst = errs.iter().enumerate().filter(|(r, _)| !exempt.contains(r)).fold(0f64, |m, (_, &e)| m.max(e));
     eprintln!("bf16 vs f32: worst row {worst:.3e} over {} rows, exempt (router margin < 1e-3) {exempt:?}", ids.len() - exempt.len());
     assert!(ids.len() - exempt.len() >= 20, "too few comparable rows");
-    assert!(worst <= 5e-2, "bf16 logits: worst row {worst:.3e}");
+    // A sanity bound, not the BF16 criterion (that is withdrawn on random networks and judged on
+    // the trained tiny-t: tests/tests/engine_agreement.rs). A decorrelated path is O(1) here.
+    // Measured: 2.6e-2 with a BF16 residual stream, 9.6e-2 (worst of 80 rows) since the BF16 mode
+    // keeps activations in FP32 (the residual sums round differently; tiny-t agrees better).
+    assert!(worst <= 0.2, "bf16 logits: worst row {worst:.3e}");
     // and decode steps stay on the same track
     let (a, c) = (f.step(&mut sf, 7).unwrap(), b.step(&mut sb, 7).unwrap());
     let e = rel_l2(&c, &a);
+    // measured 3.2e-3
     assert!(e <= 5e-2, "bf16 decode step: {e:.3e}");
 }
