@@ -89,7 +89,7 @@ fn start_node(dir: &Path, cfg: NodeConfig) -> PrefillNode {
 
 fn remote_options(addr: SocketAddr) -> RemoteOptions {
     let mut o = RemoteOptions::new(addr.to_string());
-    o.min_tokens = MIN_TOKENS;
+    o.min_tokens = Some(MIN_TOKENS);
     o.connect_timeout = Duration::from_secs(2);
     o.tuning = tuning();
     o.streams = 3;

@@ -194,3 +194,24 @@ async fn a_confirmation_that_arrives_early_is_not_lost() {
         assert!(t.total_s < 2.0, "sender took {:.2} s", t.total_s);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_cost_is_advertised_in_the_handshake_and_on_query() {
+    init_tracing();
+    let (scfg, ccfg) = paired();
+    let board = scfg.cost.clone();
+    let first = NodeCost { pass_s: 28.5, pass_bytes: 1_560_000_000_000, passes: 3, compute: RateFit::flat(2000.0), queued: 1, queue_s: 4.0 };
+    *board.write().unwrap() = first.clone();
+    let (addr, _server, _srv) = spawn_server(scfg, Behaviour::Serve { seed: 5 }).await;
+    let mut client = PrefillClient::connect(addr, ccfg).await.unwrap();
+    assert_eq!(client.cost(), &first);
+    // The node's meter moves; a query sees the new numbers, and requests still work after it.
+    let second = NodeCost { queued: 0, queue_s: 0.0, passes: 4, ..first.clone() };
+    *board.write().unwrap() = second.clone();
+    assert_eq!(client.query_cost().await.unwrap(), second);
+    assert_eq!(client.cost(), &second);
+    let layout = small_layout(64);
+    let (got, _) = client.prefill(request(64, 2, 4096), &layout).await.unwrap().collect().await.unwrap();
+    assert_eq!(got, state_of(&layout, 5));
+    assert_eq!(client.query_cost().await.unwrap(), second);
+}

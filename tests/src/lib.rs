@@ -60,7 +60,7 @@ pub fn start_node(dir: &Path, cfg: NodeConfig, opts: ServeOptions) -> PrefillNod
 /// Remote options for tests: short timeouts, every prompt of at least `min_tokens` goes remote.
 pub fn remote_options(addr: SocketAddr, min_tokens: usize) -> RemoteOptions {
     let mut o = RemoteOptions::new(addr.to_string());
-    o.min_tokens = min_tokens;
+    o.min_tokens = Some(min_tokens);
     o.connect_timeout = Duration::from_secs(10);
     o.streams = 3;
     o.chunk_bytes = 16 << 10; // several chunks per layer even for tiny models

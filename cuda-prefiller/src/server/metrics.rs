@@ -169,7 +169,8 @@ impl ServerMetrics {
 /// The node's metrics in the OpenMetrics text format (prefix `k3_prefill_`): counters since
 /// start, the session store, and the last request's timing (compute, streamed-weight transfer
 /// and waits).
-pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRecord>) -> String {
+/// `cost`: what the node advertises to decoders (weight pass, compute fit, queue).
+pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRecord>, cost: Option<&k3_protocol::wire::NodeCost>) -> String {
     let mut r = Registry::with_prefix("k3_prefill");
     let count = |r: &mut Registry, name: &str, help: &str, v: u64| {
         let m: Counter = Counter::default();
@@ -203,6 +204,17 @@ pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRec
     gauge(&mut r, "in_flight", "Requests computing or queued", c.in_flight as f64);
     gauge(&mut r, "sessions", "Session prefixes held", sessions.sessions as f64);
     gauge(&mut r, "session_bytes", "Bytes of the held session prefixes", sessions.bytes as f64);
+    if let Some(k) = cost {
+        gauge(&mut r, "cost_pass_seconds", "Advertised seconds per weight pass from the current source (0: resident)", k.pass_s);
+        gauge(&mut r, "cost_pass_bytes", "Weight bytes one pass reads from the source", k.pass_bytes as f64);
+        gauge(&mut r, "cost_passes_measured", "Weight passes the advertised pass time was measured over", k.passes as f64);
+        gauge(&mut r, "cost_compute_fixed_seconds", "Compute fit: fixed seconds per request", k.compute.fixed_s);
+        gauge(&mut r, "cost_compute_seconds_per_token", "Compute fit: seconds per new token at context 0", k.compute.per_token_s);
+        gauge(&mut r, "cost_compute_seconds_per_token_per_context", "Compute fit: extra seconds per new token per context token", k.compute.per_token_ctx_s);
+        gauge(&mut r, "cost_compute_samples", "Requests the compute fit was made from", k.compute.samples as f64);
+        gauge(&mut r, "cost_queue_seconds", "Predicted seconds before a new request would start", k.queue_s);
+        gauge(&mut r, "cost_queued", "Requests computing or waiting, as advertised", k.queued as f64);
+    }
     if let Some(l) = last {
         gauge(&mut r, "last_request_tokens", "New tokens of the last request", l.new_tokens as f64);
         gauge(&mut r, "last_request_compute_seconds", "Executor time of the last request", l.compute_s);
@@ -244,7 +256,8 @@ pub(crate) async fn serve_http(listener: tokio::net::TcpListener, sh: Arc<crate:
             let (status, body) = if req.starts_with("GET /metrics ") || req.starts_with("GET / ") {
                 let sessions = sh.sessions.lock().map(|s| s.stats()).unwrap_or_default();
                 let recent = sh.metrics.recent();
-                ("200 OK", openmetrics(&sh.metrics.counters(), &sessions, recent.last()))
+                let cost = sh.cost.current();
+                ("200 OK", openmetrics(&sh.metrics.counters(), &sessions, recent.last(), Some(&cost)))
             } else {
                 ("404 Not Found", "only GET /metrics here\n".to_string())
             };
@@ -290,7 +303,8 @@ mod tests {
         assert_eq!((c.completed, c.weight_bytes), (3, 4_000));
         assert_eq!((c.weight_transfer_s, c.weight_gpu_compute_s, c.weight_wait_s), (0.75, 2.5, 0.75));
         let recent = m.recent();
-        let text = openmetrics(&c, &StoreStats::default(), recent.iter().rev().nth(1));
+        let cost = k3_protocol::wire::NodeCost { pass_s: 28.5, queue_s: 3.0, ..Default::default() };
+        let text = openmetrics(&c, &StoreStats::default(), recent.iter().rev().nth(1), Some(&cost));
         for line in [
             "k3_prefill_weight_bytes_total 4000",
             "k3_prefill_weight_transfer_seconds_total 0.75",
@@ -299,6 +313,8 @@ mod tests {
             "k3_prefill_requests_completed_total 3",
             "k3_prefill_last_request_weight_wait_seconds 0.5",
             "k3_prefill_last_request_compute_seconds 2.0",
+            "k3_prefill_cost_pass_seconds 28.5",
+            "k3_prefill_cost_queue_seconds 3.0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -18,6 +18,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cost;
 pub mod metrics;
 mod request;
 pub mod sessions;
@@ -58,6 +59,10 @@ pub struct ServeOptions {
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
     /// Serve the metrics in the OpenMetrics text format at `GET /metrics` on this TCP address.
     pub metrics_listen: Option<SocketAddr>,
+    /// Test option: read the layers' weights as if from a source capped at this many bytes per
+    /// second (the CPU stand-in for a PC's NVMe; the node measures and advertises that pass).
+    #[doc(hidden)]
+    pub source_bytes_per_s: Option<f64>,
 }
 
 impl Default for ServeOptions {
@@ -71,6 +76,7 @@ impl Default for ServeOptions {
             layer_delay: Duration::ZERO,
             streamed: None,
             metrics_listen: None,
+            source_bytes_per_s: None,
         }
     }
 }
@@ -83,6 +89,7 @@ pub(crate) struct Shared {
     pub(crate) metrics: Arc<ServerMetrics>,
     pub(crate) jobs: Mutex<std::sync::mpsc::Sender<worker::Job>>,
     pub(crate) in_flight: AtomicUsize,
+    pub(crate) cost: Arc<cost::CostMeter>,
 }
 
 /// A running prefill node: its own tokio runtime (network), one compute thread (model).
@@ -102,6 +109,21 @@ impl PrefillNode {
     pub fn start<B: Backend + 'static>(model: Model<B>, listen: SocketAddr, node: NodeConfig, opts: ServeOptions) -> anyhow::Result<PrefillNode> {
         let backend = model.backend.name().to_string();
         let text_config = model.cfg.clone();
+        // What one weight pass reads: every layer's tensors from the throttled source, the
+        // checkpoint from the streamer's, nothing with resident weights.
+        let layer_bytes: Vec<u64> = (0..text_config.num_hidden_layers)
+            .map(|l| {
+                let prefix = k3_protocol::tensors::layer_tensor(l, "");
+                model.ck.tensor_names().filter(|n| n.starts_with(&prefix)).filter_map(|n| model.ck.entry(n)).map(|e| (e.end - e.start) as u64).sum()
+            })
+            .collect();
+        let pass_bytes = match (opts.source_bytes_per_s, &opts.streamed) {
+            (Some(_), _) => layer_bytes.iter().sum(),
+            (None, Some(_)) => model.ck.total_bytes(),
+            (None, None) => 0,
+        };
+        let planned_pass_s = opts.source_bytes_per_s.map_or(0.0, |r| pass_bytes as f64 / r);
+        let meter = Arc::new(cost::CostMeter::new(node.cost.clone(), pass_bytes, planned_pass_s));
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("prefill-net")
@@ -115,7 +137,13 @@ impl PrefillNode {
         let addr = server.local_addr();
         let (jobs, worker) = worker::spawn(
             Arc::new(model),
-            worker::WorkerOptions { chunk_tokens: opts.chunk_tokens, streamed: opts.streamed.clone(), layer_delay: opts.layer_delay },
+            worker::WorkerOptions {
+                chunk_tokens: opts.chunk_tokens,
+                streamed: opts.streamed.clone(),
+                layer_delay: opts.layer_delay,
+                source_rate: opts.source_bytes_per_s.map(|r| (r, Arc::new(layer_bytes))),
+                meter: Some(meter.clone()),
+            },
         )
         .context("starting the compute thread")?;
         let shared = Arc::new(Shared {
@@ -125,6 +153,7 @@ impl PrefillNode {
             metrics: Arc::new(ServerMetrics::default()),
             jobs: Mutex::new(jobs),
             in_flight: AtomicUsize::new(0),
+            cost: meter,
         });
         let (stop, stop_rx) = watch::channel(false);
         if let Some(maddr) = shared.opts.metrics_listen {
@@ -149,6 +178,11 @@ impl PrefillNode {
     /// Name of the compute backend ("cpu", "cuda").
     pub fn backend(&self) -> &str {
         &self.backend
+    }
+
+    /// The cost this node advertises now (weight pass, compute fit, queue).
+    pub fn cost(&self) -> k3_protocol::wire::NodeCost {
+        self.shared.cost.current()
     }
 
     pub fn metrics(&self) -> Arc<ServerMetrics> {

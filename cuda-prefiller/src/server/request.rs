@@ -179,8 +179,10 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
     let (layer_tx, mut layer_rx) = mpsc::channel(sh.opts.layer_buffer.max(1));
     let (done_tx, done_rx) = oneshot::channel::<JobDone>();
     let cancel = Arc::new(AtomicBool::new(false));
+    let job_id = tx.request_id();
+    sh.cost.queued(job_id, new_tokens, base);
     let job = Job {
-        request: tx.request_id(),
+        request: job_id,
         tokens: tokens.clone(),
         overrides,
         state,
@@ -194,6 +196,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         Err(_) => Err(job),
     };
     if let Err(job) = submitted {
+        sh.cost.finished(job_id, None, None);
         start.put_back(&sh, Some(job.state));
         tx.abort(ErrorCode::ShuttingDown, "the compute worker is gone").await;
         record.outcome = Outcome::Failed { reason: "the compute worker is gone".into() };
@@ -224,8 +227,12 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         network_wait_s: 0.0,
         queue_s: 0.0,
         weights: None,
+        source: None,
     });
     drop(in_flight_guard);
+    let measured = (send_err.is_none() && done.result.is_ok())
+        .then_some(k3_protocol::wire::RateSample { new_tokens, base_tokens: base, seconds: done.compute_s });
+    sh.cost.finished(job_id, measured, done.source);
     record.weights = done.weights.as_ref().map(crate::server::metrics::WeightTiming::of);
     record.queue_s = done.queue_s;
     record.compute_s = done.compute_s;

@@ -37,6 +37,8 @@ pub struct JobDone {
     pub queue_s: f64,
     /// Weight streaming of the prompt (CUDA streamer; `None` with resident or per-layer weights).
     pub weights: Option<crate::streamer::StreamStats>,
+    /// What the weight source read for the prompt (streamer or throttled source; `None`: resident).
+    pub source: Option<crate::server::cost::SourceRead>,
 }
 
 pub struct Job {
@@ -59,6 +61,12 @@ pub struct WorkerOptions {
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
     /// Test hook: sleep this long after each layer (makes a transfer slow enough to kill).
     pub layer_delay: Duration,
+    /// Test option: a weight source capped at this many bytes per second — layer l may finish
+    /// only once `layer_bytes[..=l]` could have been read since the prompt started (reads run
+    /// ahead of compute, as the streamer's do).
+    pub source_rate: Option<(f64, Arc<Vec<u64>>)>,
+    /// Told when a job starts computing.
+    pub meter: Option<Arc<crate::server::cost::CostMeter>>,
 }
 
 /// Starts the worker thread; it ends when every job sender is dropped.
@@ -84,14 +92,20 @@ fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Jo
             network_wait_s: 0.0,
             queue_s,
             weights: None,
+            source: None,
         });
         return;
+    }
+    if let Some(m) = &opts.meter {
+        m.started(request);
     }
     let span = tracing::info_span!("prefill", request, tokens = tokens.len(), base = state.tokens);
     let _g = span.enter();
     let exec = ExecOptions { chunk_tokens: opts.chunk_tokens, logits: LogitsRows::Last, ..Default::default() };
     let t0 = Instant::now();
     let mut waited = Duration::ZERO;
+    let mut source_wait = Duration::ZERO;
+    let mut source_bytes = 0u64;
     let input = PrefillInput { tokens: &tokens, overrides: overrides.as_ref() };
     let res = catch_unwind(AssertUnwindSafe(|| {
         crate::streamer::prefill_maybe_streamed(model, opts.streamed.as_deref(), &mut state, input, &exec, |ev| {
@@ -104,7 +118,16 @@ fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Jo
             if !opts.layer_delay.is_zero() {
                 std::thread::sleep(opts.layer_delay);
             }
-            let compute_s = (t0.elapsed() - waited).as_secs_f64();
+            if let Some((rate, bytes)) = &opts.source_rate {
+                source_bytes += bytes.get(ev.layer).copied().unwrap_or(0);
+                let ready = Duration::from_secs_f64(source_bytes as f64 / rate);
+                let now = t0.elapsed();
+                if ready > now {
+                    std::thread::sleep(ready - now);
+                    source_wait += ready - now;
+                }
+            }
+            let compute_s = (t0.elapsed() - waited - source_wait).as_secs_f64();
             let w0 = Instant::now();
             let sent = layers.blocking_send(LayerDone { layer: ev.layer, state: ev.state.clone(), compute_s });
             waited += w0.elapsed();
@@ -112,9 +135,9 @@ fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Jo
         })
     }));
     drop(layers);
-    let compute_s = (t0.elapsed() - waited).as_secs_f64();
+    let compute_s = (t0.elapsed() - waited - source_wait).as_secs_f64();
     let network_wait_s = waited.as_secs_f64();
-    let mut weights = None;
+    let mut weights: Option<crate::streamer::StreamStats> = None;
     let (state, result) = match res {
         Ok(Ok((out, st))) => {
             weights = st;
@@ -135,5 +158,14 @@ fn run_job<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, job: Jo
             (None, Err(anyhow::anyhow!("internal error in the executor: {what}")))
         }
     };
-    let _ = done.send(JobDone { state, result, compute_s, network_wait_s, queue_s, weights });
+    // The time the weight source was busy reading the prompt's weights: the throttled source's
+    // reads at its cap; the streamer's readers filling staging (or the copy stream, if longer).
+    let source = match (&opts.source_rate, &weights) {
+        (Some((rate, _)), _) if source_bytes > 0 => {
+            Some(crate::server::cost::SourceRead { bytes: source_bytes, seconds: source_bytes as f64 / rate })
+        }
+        (_, Some(w)) => Some(crate::server::cost::SourceRead { bytes: w.bytes as u64, seconds: w.fill_s.max(w.copy_s) }),
+        _ => None,
+    };
+    let _ = done.send(JobDone { state, result, compute_s, network_wait_s, queue_s, weights, source });
 }

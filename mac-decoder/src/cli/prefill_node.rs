@@ -5,13 +5,21 @@ use std::path::PathBuf;
 /// Where the prefill node is and how it is trusted.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrefillNodeArgs {
-    /// Prefill node `HOST:PORT`: prompts with at least --remote-min-tokens new tokens (after
-    /// prefix reuse) are prefilled there, shorter ones locally; any failure falls back to local.
+    /// Prefill node `HOST:PORT`: a turn is prefilled there when the node's advertised cost
+    /// (queue, weight pass, compute, hand-off tail) beats the local prefill with a margin, or
+    /// with --remote-min-tokens when it has that many new tokens; any failure falls back to local.
     #[arg(long)]
     pub prefill_node: Option<String>,
-    /// Prompts with at least this many new tokens go to the prefill node.
-    #[arg(long, default_value_t = 1024)]
-    pub remote_min_tokens: usize,
+    /// Manual override of the cost-based routing: prompts with at least this many new tokens go
+    /// to the prefill node, shorter ones stay local.
+    #[arg(long)]
+    pub remote_min_tokens: Option<usize>,
+    /// Remote must beat local by this fraction of its predicted time (cost-based routing).
+    #[arg(long, default_value_t = 0.15)]
+    pub route_margin: f64,
+    /// Local prefill rate (tokens/s) assumed until this decoder measured its own.
+    #[arg(long, default_value_t = 120.0)]
+    pub local_prefill_tok_s: f64,
     /// Pin the prefill node's certificate (sha256:..., printed by `k3-prefill serve`); saved.
     #[arg(long)]
     pub prefill_fingerprint: Vec<String>,
@@ -39,7 +47,12 @@ impl PrefillNodeArgs {
         o.prefill_fingerprints = self.prefill_fingerprint.clone();
         o.config_dir = self.config_dir.clone();
         o.min_tokens = self.remote_min_tokens;
-        tracing::info!(node, min_tokens = o.min_tokens, "prompts with at least min_tokens new tokens are prefilled on the prefill node");
+        o.route.margin = self.route_margin;
+        o.route.local_tok_per_s = self.local_prefill_tok_s;
+        match o.min_tokens {
+            Some(m) => tracing::info!(node, min_tokens = m, "prompts with at least min_tokens new tokens are prefilled on the prefill node"),
+            None => tracing::info!(node, margin = o.route.margin, "each turn goes where its predicted prefill time is shorter"),
+        }
         Some(o)
     }
 }

@@ -18,6 +18,7 @@ use k3_protocol::wire::{ErrorCode, ImageEmbeddings, PrefillOptions, PrefillReque
 use crate::decode::{Engine, ImageEmbeds};
 use crate::generate::{GenerateOutput, GenerateParams};
 use crate::remote::conversation::{Conversation, RemotePlan};
+use crate::remote::route::{Outcome, RoutePolicy, Router};
 use crate::remote::staged::StagedDelta;
 use crate::remote::timing::{Route, TurnTiming};
 
@@ -32,8 +33,11 @@ pub struct RemoteOptions {
     pub prefill_fingerprints: Vec<String>,
     /// The decoder's certificate and pinned peers (default `~/.config/k3-offload/decoder`).
     pub config_dir: Option<PathBuf>,
-    /// Prompts with at least this many new tokens go to the node; shorter ones stay local.
-    pub min_tokens: usize,
+    /// `--remote-min-tokens`: prompts with at least this many new tokens go to the node, shorter
+    /// ones stay local (the manual override). None: route by predicted time (`route`).
+    pub min_tokens: Option<usize>,
+    /// Cost-based routing: margin, default local rate, calibration.
+    pub route: RoutePolicy,
     /// Give up connecting after this long.
     pub connect_timeout: Duration,
     /// After the node could not be reached, prefill locally for this long before trying again.
@@ -52,7 +56,8 @@ impl RemoteOptions {
             insecure_dev: false,
             prefill_fingerprints: Vec::new(),
             config_dir: None,
-            min_tokens: 1024,
+            min_tokens: None,
+            route: RoutePolicy::default(),
             connect_timeout: Duration::from_secs(5),
             retry_after: Duration::from_secs(30),
             streams: 4,
@@ -80,6 +85,7 @@ pub struct RemotePrefiller {
     down: Option<Down>,
     /// Set by the owner when the request being prefilled is abandoned (its client went away).
     cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    router: Router,
 }
 
 /// A failed remote attempt: why, and whether the node's prefix for this conversation is gone.
@@ -195,13 +201,14 @@ impl RemotePrefiller {
             .context("starting the prefill client's runtime")?;
         Ok(RemotePrefiller {
             rt,
-            opts,
             node_cfg,
             text_config: engine.text_config().clone(),
             media_token: engine.config().media_placeholder_token_id,
             client: None,
             down: None,
             cancel: None,
+            router: Router::new(RoutePolicy { min_tokens: opts.min_tokens, ..opts.route.clone() }),
+            opts,
         })
     }
 
@@ -221,6 +228,50 @@ impl RemotePrefiller {
         &self.opts
     }
 
+    /// The routing state: local rate, tail, predicted against measured times.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// The node's current cost, connecting first if needed (None: it cannot be reached).
+    fn node_cost(&mut self) -> std::result::Result<k3_protocol::wire::NodeCost, Failure> {
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure { reason: e.clone(), base_not_held: false })?.clone();
+        let opts = self.opts.clone();
+        let slot = &mut self.client;
+        let r = self.rt.block_on(async {
+            Self::connect(&opts, &cfg, slot).await?;
+            slot.as_mut().expect("connected above").query_cost().await.map_err(classify)
+        });
+        r.map_err(|(f, sev)| {
+            if sev != Severity::Keep {
+                self.client = None;
+            }
+            if sev == Severity::Down {
+                self.down = Some(Down { since: Instant::now(), reason: f.reason.clone() });
+            }
+            f
+        })
+    }
+
+    /// A first measurement of the local rate: a short prefill on a scratch conversation.
+    fn calibrate(&mut self, engine: &Engine) {
+        let n = self.router.policy.calibration_tokens;
+        if n == 0 || self.router.local_measured() {
+            return;
+        }
+        let vocab = engine.text_config().vocab_size.max(2) as u32;
+        let ids: Vec<u32> = (0..n as u32).map(|i| 1 + (i * 7919) % (vocab - 1)).filter(|&t| t != self.media_token).collect();
+        let t = Instant::now();
+        match Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids, None)) {
+            Ok(_) => {
+                let s = t.elapsed().as_secs_f64();
+                self.router.record_local(ids.len() as u64, 0, s);
+                tracing::info!(tokens = ids.len(), seconds = format!("{s:.3}"), tok_per_s = format!("{:.1}", ids.len() as f64 / s), "local prefill rate calibrated");
+            }
+            Err(e) => tracing::warn!("local prefill calibration failed: {e:#}; using the default rate"),
+        }
+    }
+
     /// Backend and name of the connected node, if connected.
     pub fn node(&self) -> Option<(String, String)> {
         self.client.as_ref().map(|c| (c.server().node_name.clone(), c.server().capabilities.backend.clone()))
@@ -232,8 +283,9 @@ impl RemotePrefiller {
     pub fn prefill(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<TurnTiming> {
         let t0 = Instant::now();
         let mut timing = TurnTiming { prompt_tokens: tokens.len(), ..Default::default() };
-        let why_local = if tokens.len() < self.opts.min_tokens {
-            Some((Route::Local, format!("{} new tokens, below the remote threshold of {}", tokens.len(), self.opts.min_tokens)))
+        let manual_local = self.opts.min_tokens.filter(|&m| tokens.len() < m);
+        let why_local = if let Some(m) = manual_local {
+            Some((Route::Local, format!("{} new tokens, below --remote-min-tokens {m}", tokens.len())))
         } else if let Err(e) = &self.node_cfg {
             Some((Route::Fallback, e.clone()))
         } else if let Some(d) = self.down.as_ref().filter(|d| d.since.elapsed() < self.opts.retry_after) {
@@ -261,6 +313,40 @@ impl RemotePrefiller {
         if self.cancelled() {
             return Err(Cancelled(CANCELLED.into()).into());
         }
+        // The route by predicted time (or the manual threshold, which is met here).
+        let local_n = (tokens.len() as u64, conv.session().tokens() as u64);
+        let remote_n = match conv.plan_remote(tokens, self.media_token) {
+            Ok(p) => (p.tokens.len() as u64, p.base.as_ref().map_or(0, |b| b.tokens)),
+            Err(_) => local_n,
+        };
+        let cost = if self.opts.min_tokens.is_none() {
+            self.calibrate(engine);
+            match self.node_cost() {
+                Ok(c) => Some(c),
+                Err(f) => {
+                    let reason = format!("prefill node {} cannot be asked for its cost: {}", self.opts.node, f.reason);
+                    tracing::warn!("prefilling locally: {reason}");
+                    return self.local(engine, conv, tokens, image, timing, Route::Fallback, reason, t0);
+                }
+            }
+        } else {
+            self.client.as_ref().map(|c| c.cost().clone())
+        };
+        let d = self.router.decide(local_n, remote_n, cost.as_ref());
+        timing.predicted_local_s = Some(d.local_s);
+        timing.predicted_remote_s = d.remote_s;
+        tracing::info!(
+            route = if d.remote { "remote" } else { "local" },
+            new_tokens = tokens.len(),
+            local_s = format!("{:.3}", d.local_s),
+            remote_s = d.remote_s.map(|v| format!("{v:.3}")).unwrap_or_default(),
+            "routing: {}",
+            d.reason
+        );
+        if !d.remote {
+            return self.local(engine, conv, tokens, image, timing, Route::Local, d.reason, t0);
+        }
+        timing.reason = d.reason;
         let attempt = Instant::now();
         let mut r = self.remote(engine, conv, tokens, image, &mut timing);
         if matches!(&r, Err(f) if f.reason == CANCELLED) {
@@ -279,6 +365,14 @@ impl RemotePrefiller {
                 timing.route = Route::Remote;
                 timing.prefill_s = t0.elapsed().as_secs_f64();
                 timing.context_tokens = conv.session().tokens();
+                if let Some(tail) = timing.exposed_tail_s {
+                    self.router.record_tail(tail);
+                }
+                if let Some(p) = timing.predicted_remote_s {
+                    // From the request on (the cost query and calibration are not the node's time).
+                    let measured_s = attempt.elapsed().as_secs_f64();
+                    self.router.record_outcome(Outcome { remote: true, predicted_s: p, measured_s });
+                }
                 Ok(timing)
             }
             Err(f) => {
@@ -303,8 +397,14 @@ impl RemotePrefiller {
         t0: Instant,
     ) -> Result<TurnTiming> {
         let t = Instant::now();
+        let base = conv.session().tokens() as u64;
         conv.prefill_local(engine, tokens, image)?;
-        timing.local_prefill_s = Some(t.elapsed().as_secs_f64());
+        let s = t.elapsed().as_secs_f64();
+        timing.local_prefill_s = Some(s);
+        if let Some(p) = timing.predicted_local_s {
+            self.router.record_outcome(Outcome { remote: false, predicted_s: p, measured_s: s });
+        }
+        self.router.record_local(tokens.len() as u64, base, s);
         timing.route = route;
         timing.reason = reason;
         timing.prefill_tokens = tokens.len();

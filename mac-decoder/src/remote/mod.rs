@@ -29,9 +29,11 @@
 
 mod client;
 mod conversation;
+pub mod route;
 mod staged;
 pub mod timing;
 
 pub use client::{run_turn, Cancelled, RemoteOptions, RemotePrefiller};
 pub use conversation::Conversation;
+pub use route::{Decision, RoutePolicy, Router};
 pub use timing::{format_table, Route, TurnTiming};

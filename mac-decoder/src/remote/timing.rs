@@ -52,6 +52,9 @@ pub struct TurnTiming {
     pub local_prefill_s: Option<f64>,
     /// A remote attempt that failed before the fallback.
     pub failed_attempt_s: Option<f64>,
+    /// The router's predictions for this turn (None: not predicted, e.g. no prefill node).
+    pub predicted_local_s: Option<f64>,
+    pub predicted_remote_s: Option<f64>,
     /// State bytes received.
     pub state_bytes: u64,
     /// Prefill call start → usable logits.
@@ -74,7 +77,7 @@ fn secs(v: Option<f64>) -> String {
 pub fn format_table(turns: &[TurnTiming]) -> String {
     let head = [
         "turn", "route", "prompt", "prefill", "context", "remote", "transfer", "tail", "ingest", "local", "1st tok", "decode", "tok/s",
-        "state MB",
+        "state MB", "pred local", "pred remote",
     ];
     let mut rows: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     for (i, t) in turns.iter().enumerate() {
@@ -93,6 +96,8 @@ pub fn format_table(turns: &[TurnTiming]) -> String {
             t.decode_tokens.to_string(),
             t.decode_tok_per_s.map_or("-".into(), |v| format!("{v:.1}")),
             format!("{:.2}", t.state_bytes as f64 / 1e6),
+            secs(t.predicted_local_s),
+            secs(t.predicted_remote_s),
         ]);
     }
     let widths: Vec<usize> = (0..head.len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
@@ -108,7 +113,8 @@ pub fn format_table(turns: &[TurnTiming]) -> String {
     }
     out.push_str(
         "seconds; remote = layer compute on the prefill node, transfer = request → state verified, \
-         tail = last layer done on the node → state usable here, 1st tok = prefill start → first token\n",
+         tail = last layer done on the node → state usable here, 1st tok = prefill start → first token, \
+         pred = the router's predicted prefill time of each route\n",
     );
     for (i, t) in turns.iter().enumerate() {
         if !t.reason.is_empty() {

@@ -37,7 +37,7 @@ use crate::transport::tls::{client_config, RefusalSlot};
 use crate::transport::PeerInfo;
 use crate::wire::frame::{encode_control, Chunk, Frame, CHUNK_HEADER_LEN};
 use crate::wire::{
-    Accepted, AssemblerLimits, Done, ErrorCode, ErrorMsg, Hello, Message, PrefillRequest, Progress, StateAssembler,
+    Accepted, AssemblerLimits, Done, ErrorCode, ErrorMsg, Hello, Message, NodeCost, PrefillRequest, Progress, StateAssembler,
     StateCollector, StateLayout, Timing, PROTOCOL_VERSION,
 };
 
@@ -48,6 +48,7 @@ pub struct PrefillClient {
     cfg: Arc<NodeConfig>,
     server: PeerInfo,
     max_frame: u32,
+    cost: NodeCost,
 }
 
 impl PrefillClient {
@@ -110,10 +111,15 @@ impl PrefillClient {
             conn.close(quinn::VarInt::from_u32(2), b"model fingerprint mismatch");
             return Err(TransferError::FingerprintMismatch { peer: addr, ours: cfg.model_fingerprint, theirs: ack.model_fingerprint });
         }
-        // The server may still refuse after its HelloAck (e.g. capabilities).
-        if let Ok(Ok(Some(Message::Error(e)))) = tokio::time::timeout(Duration::from_millis(0), fr.next_message()).await {
-            return Err(TransferError::Refused { peer: addr, code: e.code, message: e.message });
-        }
+        // After its HelloAck the server refuses (e.g. capabilities) or advertises its cost.
+        let cost = match tokio::time::timeout(t, fr.next_message()).await {
+            Ok(Ok(Some(Message::Cost(c)))) => c,
+            Ok(Ok(Some(Message::Error(e)))) => return Err(TransferError::Refused { peer: addr, code: e.code, message: e.message }),
+            Ok(Ok(Some(m))) => return Err(TransferError::Protocol { peer: addr, reason: format!("expected Cost after HelloAck, got {}", m.name()) }),
+            Ok(Ok(None)) => return Err(TransferError::Protocol { peer: addr, reason: "handshake stream ended before Cost".into() }),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(TransferError::Stalled { peer: addr, what: "Cost".into(), secs: t.as_secs_f64() }),
+        };
         let _ = send.finish();
         let server = PeerInfo {
             addr,
@@ -123,7 +129,33 @@ impl PrefillClient {
             model_fingerprint: ack.model_fingerprint,
         };
         tracing::info!(peer = %addr, name = %server.node_name, backend = %server.capabilities.backend, "connected to prefill node");
-        Ok(PrefillClient { endpoint, conn, cfg: Arc::new(cfg), server, max_frame: ack.max_frame_size })
+        Ok(PrefillClient { endpoint, conn, cfg: Arc::new(cfg), server, max_frame: ack.max_frame_size, cost })
+    }
+
+    /// The node's cost as last advertised (in the handshake, or by [`PrefillClient::query_cost`]).
+    pub fn cost(&self) -> &NodeCost {
+        &self.cost
+    }
+
+    /// Asks the node for its current cost (queue included) on a stream of its own.
+    pub async fn query_cost(&mut self) -> Result<NodeCost, TransferError> {
+        let peer = self.server.addr;
+        let (mut send, recv) = self.conn.open_bi().await.map_err(|e| connection_lost(peer, &e))?;
+        write_message(&mut send, peer, &Message::CostQuery).await?;
+        let _ = send.finish();
+        let mut fr = FramedRecv::new(recv, HANDSHAKE_MAX_FRAME, peer);
+        let t = self.cfg.tuning.idle_timeout;
+        match tokio::time::timeout(t, fr.next_message()).await {
+            Ok(Ok(Some(Message::Cost(c)))) => {
+                self.cost = c.clone();
+                Ok(c)
+            }
+            Ok(Ok(Some(Message::Error(e)))) => Err(TransferError::Refused { peer, code: e.code, message: e.message }),
+            Ok(Ok(Some(m))) => Err(TransferError::Protocol { peer, reason: format!("expected Cost, got {}", m.name()) }),
+            Ok(Ok(None)) => Err(TransferError::Protocol { peer, reason: "cost stream ended before Cost".into() }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransferError::Stalled { peer, what: "Cost".into(), secs: t.as_secs_f64() }),
+        }
     }
 
     pub fn server(&self) -> &PeerInfo {

@@ -8,7 +8,7 @@ use crate::transport::hooks::FaultHooks;
 use crate::transport::identity::NodeIdentity;
 use crate::transport::tls::PeerAuth;
 use crate::wire::frame::{DEFAULT_MAX_CONTROL_FRAME, DEFAULT_MAX_FRAME};
-use crate::wire::{Capabilities, StateDtype};
+use crate::wire::{Capabilities, CostBoard, StateDtype};
 
 /// Timeouts, windows and limits. Defaults suit a LAN or Thunderbolt link.
 #[derive(Debug, Clone)]
@@ -127,6 +127,9 @@ pub struct NodeConfig {
     pub capabilities: Capabilities,
     pub node_name: String,
     pub tuning: Tuning,
+    /// A prefill node's current cost, advertised after `HelloAck` and on `CostQuery`
+    /// (the node's meter writes it; a decoder leaves it at the default).
+    pub cost: CostBoard,
     /// Fault injection for tests; leave default.
     #[doc(hidden)]
     pub hooks: Arc<FaultHooks>,
@@ -147,6 +150,7 @@ impl NodeConfig {
             },
             node_name: hostname(),
             tuning: Tuning::default(),
+            cost: CostBoard::default(),
             hooks: Arc::new(FaultHooks::default()),
         }
     }

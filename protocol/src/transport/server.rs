@@ -324,6 +324,8 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
         let _ = refuse_handshake(&conn, &mut send, peer, e.code(), e.to_string()).await;
         return Err(e);
     }
+    let cost = cfg.cost.read().map(|c| c.clone()).unwrap_or_default();
+    write_message(&mut send, peer, &Message::Cost(cost)).await?;
     finish_and_flush(&mut send, t).await;
     let info = PeerInfo {
         addr: peer,
@@ -380,16 +382,28 @@ impl PrefillConnection {
     /// `loop { match conn.next_request().await { Ok(Some(r)) => .., Ok(None) => break, Err(e) => warn!(..) } }`.
     pub async fn next_request(&mut self) -> Result<Option<IncomingRequest>, TransferError> {
         let peer = self.peer.addr;
-        let (mut send, recv) = match self.conn.accept_bi().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::info!(%peer, "decoder connection over: {}", connection_lost(peer, &e));
-                return Ok(None);
-            }
-        };
-        let mut fr = FramedRecv::new(recv, self.cfg.tuning.max_control_frame, peer);
         let t = self.cfg.tuning.idle_timeout;
-        let request = match tokio::time::timeout(t, fr.next_message()).await {
+        // A `CostQuery` stream is answered here and the wait goes on for a request.
+        let (mut send, fr, request) = loop {
+            let (mut send, recv) = match self.conn.accept_bi().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::info!(%peer, "decoder connection over: {}", connection_lost(peer, &e));
+                    return Ok(None);
+                }
+            };
+            let mut fr = FramedRecv::new(recv, self.cfg.tuning.max_control_frame, peer);
+            let first = tokio::time::timeout(t, fr.next_message()).await;
+            if let Ok(Ok(Some(Message::CostQuery))) = first {
+                let cost = self.cfg.cost.read().map(|c| c.clone()).unwrap_or_default();
+                if write_message(&mut send, peer, &Message::Cost(cost)).await.is_ok() {
+                    let _ = send.finish();
+                }
+                continue;
+            }
+            break (send, fr, first);
+        };
+        let request = match request {
             Ok(Ok(Some(Message::PrefillRequest(r)))) => r,
             Ok(Ok(Some(other))) => {
                 let reason = format!("expected PrefillRequest, got {}", other.name());

@@ -5,10 +5,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::fingerprint::Fingerprint;
+use crate::wire::cost::NodeCost;
 use crate::wire::layout::StateLayout;
 
-/// Bumped on any incompatible change of frames or messages.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Bumped on any incompatible change of frames or messages. 2: the node's cost
+/// (`Message::Cost` after `HelloAck`, `Message::CostQuery` on a request stream); a version-1
+/// peer is refused in the handshake with `VersionMismatch` naming both versions.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// TLS ALPN id of this protocol.
 pub const ALPN: &[u8] = b"k3-handoff/1";
 
@@ -211,6 +214,10 @@ pub enum Message {
     Error(ErrorMsg),
     /// Cancellation from either side.
     Abort(ErrorMsg),
+    /// Client → server, alone on a new bidirectional stream: what would a prefill cost now?
+    CostQuery,
+    /// Server → client: the node's current cost (after `HelloAck`, and as the answer to `CostQuery`).
+    Cost(NodeCost),
 }
 
 impl Message {
@@ -227,6 +234,8 @@ impl Message {
             Message::Received { .. } => "Received",
             Message::Error(_) => "Error",
             Message::Abort(_) => "Abort",
+            Message::CostQuery => "CostQuery",
+            Message::Cost(_) => "Cost",
         }
     }
 }

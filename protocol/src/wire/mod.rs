@@ -5,6 +5,7 @@
 pub mod assembler;
 pub mod checksum;
 pub mod chunker;
+pub mod cost;
 pub mod error;
 pub mod frame;
 pub mod layout;
@@ -13,6 +14,7 @@ pub mod part;
 
 pub use assembler::{AssemblerLimits, AssemblyTotals, StateAssembler, StateCollector};
 pub use chunker::{plan_layer, ChunkSpec};
+pub use cost::{CostBoard, NodeCost, RateFit, RateSample};
 pub use error::WireError;
 pub use frame::{encode_control, Chunk, ChunkHeader, Frame, FrameDecoder};
 pub use layout::{LayerLayout, StateLayout};

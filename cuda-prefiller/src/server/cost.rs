@@ -1,0 +1,170 @@
+//! The node's cost meter: what a prefill costs here, measured from the node's own requests,
+//! published on the [`CostBoard`] that the transport advertises to decoders (after `HelloAck`,
+//! and on `CostQuery`) and exported in the metrics.
+//!
+//! - **Weight pass**: seconds to read every layer's weights from the current source, from the
+//!   bytes each request read and the time the source took (`bytes / time`; 0 with resident
+//!   weights). Before the first streamed request: the estimate the node was started with.
+//! - **Compute**: a [`RateFit`] of compute seconds (weight and network waits excluded) against
+//!   new tokens and context, over the last [`SAMPLES`] requests.
+//! - **Queue**: the predicted remaining work of the computing request plus the predicted work
+//!   of the waiting ones.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use k3_protocol::wire::{CostBoard, NodeCost, RateFit, RateSample};
+
+/// Requests the compute fit is made from.
+pub const SAMPLES: usize = 32;
+
+/// A weight source's read over one request: bytes and seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SourceRead {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug)]
+struct Pending {
+    request: u64,
+    predicted_s: f64,
+    started: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    samples: VecDeque<RateSample>,
+    /// Measured source rate, bytes per second (None: not measured).
+    rate: Option<f64>,
+    passes: u64,
+    pending: Vec<Pending>,
+}
+
+/// The node's cost meter; cheap to call from the request tasks and the compute thread.
+#[derive(Debug)]
+pub struct CostMeter {
+    board: CostBoard,
+    /// Weight bytes one pass reads from the source (0: resident weights).
+    pass_bytes: u64,
+    /// Seconds per pass assumed until one is measured.
+    planned_pass_s: f64,
+    inner: Mutex<Inner>,
+}
+
+impl CostMeter {
+    /// `pass_bytes`: weight bytes one pass reads (0 when the weights are resident);
+    /// `planned_pass_s`: the estimate until measured.
+    pub fn new(board: CostBoard, pass_bytes: u64, planned_pass_s: f64) -> CostMeter {
+        let m = CostMeter {
+            board,
+            pass_bytes,
+            planned_pass_s,
+            inner: Mutex::new(Inner { samples: VecDeque::new(), rate: None, passes: 0, pending: Vec::new() }),
+        };
+        m.publish();
+        m
+    }
+
+    pub fn board(&self) -> &CostBoard {
+        &self.board
+    }
+
+    /// The cost now.
+    pub fn current(&self) -> NodeCost {
+        self.board.read().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A request entered the queue.
+    pub fn queued(&self, request: u64, new_tokens: u64, base_tokens: u64) {
+        let predicted_s = self.current().work_s(new_tokens, base_tokens);
+        self.lock().pending.push(Pending { request, predicted_s, started: None });
+        self.publish();
+    }
+
+    /// The compute thread took the request.
+    pub fn started(&self, request: u64) {
+        if let Some(p) = self.lock().pending.iter_mut().find(|p| p.request == request) {
+            p.started = Some(Instant::now());
+        }
+        self.publish();
+    }
+
+    /// The request left the node. `compute`: its measured compute (only for a completed
+    /// request); `source`: what its weight source read.
+    pub fn finished(&self, request: u64, compute: Option<RateSample>, source: Option<SourceRead>) {
+        {
+            let mut g = self.lock();
+            g.pending.retain(|p| p.request != request);
+            if let Some(s) = compute {
+                if g.samples.len() == SAMPLES {
+                    g.samples.pop_front();
+                }
+                g.samples.push_back(s);
+            }
+            if let Some(r) = source.filter(|r| r.bytes > 0 && r.seconds > 0.0) {
+                let rate = r.bytes as f64 / r.seconds;
+                // A moving average that follows a changed source (page cache warming, another
+                // drive) within a few passes.
+                g.rate = Some(g.rate.map_or(rate, |old| 0.5 * old + 0.5 * rate));
+                g.passes += 1;
+            }
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let g = self.lock();
+        let compute = RateFit::fit(&g.samples.iter().copied().collect::<Vec<_>>());
+        let pass_s = match g.rate {
+            _ if self.pass_bytes == 0 => 0.0,
+            Some(r) => self.pass_bytes as f64 / r,
+            None => self.planned_pass_s,
+        };
+        let now = Instant::now();
+        let queue_s = g
+            .pending
+            .iter()
+            .map(|p| match p.started {
+                Some(t) => (p.predicted_s - now.duration_since(t).as_secs_f64()).max(0.0),
+                None => p.predicted_s,
+            })
+            .sum();
+        let cost = NodeCost { pass_s, pass_bytes: self.pass_bytes, passes: g.passes, compute, queued: g.pending.len() as u32, queue_s };
+        drop(g);
+        if let Ok(mut b) = self.board.write() {
+            *b = cost;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meter_measures_pass_compute_and_queue() {
+        let m = CostMeter::new(CostBoard::default(), 1_000_000, 5.0);
+        assert_eq!(m.current().pass_s, 5.0, "planned until measured");
+        m.queued(1, 100, 0);
+        m.started(1);
+        m.finished(1, Some(RateSample { new_tokens: 100, base_tokens: 0, seconds: 1.0 }), Some(SourceRead { bytes: 1_000_000, seconds: 2.0 }));
+        let c = m.current();
+        assert_eq!((c.pass_s, c.passes, c.queued), (2.0, 1, 0));
+        assert!((c.compute.seconds(200, 0) - 2.0).abs() < 1e-9);
+        // Two waiting requests of 200 tokens: the pass (2 s) bounds each.
+        m.queued(2, 200, 0);
+        m.queued(3, 200, 0);
+        let c = m.current();
+        assert_eq!(c.queued, 2);
+        assert!((c.queue_s - 4.0).abs() < 1e-9, "{c:?}");
+        m.finished(2, None, None);
+        m.finished(3, None, None);
+        assert_eq!(m.current().queue_s, 0.0);
+    }
+}
