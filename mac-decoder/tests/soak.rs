@@ -63,7 +63,7 @@ async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> Str
     let metrics = Arc::new(Metrics::new());
     let dir = model.to_path_buf();
     let mut ro = RemoteOptions::new(node.to_string());
-    ro.min_tokens = 48;
+    ro.min_tokens = Some(48);
     ro.connect_timeout = Duration::from_secs(5);
     ro.chunk_bytes = 16 << 10;
     let engine = EngineHandle::spawn(
