@@ -50,7 +50,7 @@ fn throttled_node_short_turns_stay_local_long_turns_go_remote() {
     eprintln!("first turn: {:?} {}", first.route, first.reason);
     let cost = node.cost();
     eprintln!("node advertises {cost:?}");
-    assert!(cost.passes >= 1 && cost.pass_s > 0.5, "the throttled pass is measured: {cost:?}");
+    assert!(cost.passes >= 1 && cost.pass_s > 0.3, "the throttled pass is measured: {cost:?}");
 
     // 3. A scripted session: each turn on a fresh conversation; the route must be the faster one
     // where the predictions differ by more than 30 %.
