@@ -189,16 +189,20 @@ fn bf16_path_tracks_f32_on_a_two_layer_variant() {
     let model = cuda_prefiller::model::Model::new(Arc::new(cuda_prefiller::cpu::CpuBackend), ck, cuda_prefiller::model::WeightPolicy::Resident).unwrap();
     let mut st = HandoffState::empty(&report.config.text_config);
     let out = executor::prefill(&model, &mut st, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(())).unwrap();
-    let exempt: Vec<usize> = (0..ids.len()).filter(|&r| out.topk_gap.iter().any(|(_, g)| g[r] < 1e-3)).collect();
+    // A row is compared only where no router choice can flip under BF16 rounding: the GEMM
+    // inputs carry one BF16 rounding (relative 2^-8 at most), so a top-k margin below that can
+    // swap an expert and move the row by O(0.1) — a different but equally valid route, not an
+    // arithmetic error. (Measured with seed 4: the one row past 2.3e-2 is row 2, margin 3.3e-3,
+    // error 9.6e-2; every row with a margin above 2^-8 is within 2.3e-2.)
+    const BF16_ULP: f32 = 1.0 / 256.0;
+    let exempt: Vec<usize> = (0..ids.len()).filter(|&r| out.topk_gap.iter().any(|(_, g)| g[r] < BF16_ULP)).collect();
     let errs = row_errors(&lb, &lf, vocab);
     let worst = errs.iter().enumerate().filter(|(r, _)| !exempt.contains(r)).fold(0f64, |m, (_, &e)| m.max(e));
-    eprintln!("bf16 vs f32: worst row {worst:.3e} over {} rows, exempt (router margin < 1e-3) {exempt:?}", ids.len() - exempt.len());
+    eprintln!("bf16 vs f32: worst row {worst:.3e} over {} rows, exempt (router margin < 2^-8) {exempt:?}", ids.len() - exempt.len());
     assert!(ids.len() - exempt.len() >= 20, "too few comparable rows");
-    // A sanity bound, not the BF16 criterion (that is withdrawn on random networks and judged on
-    // the trained tiny-t: tests/tests/engine_agreement.rs). A decorrelated path is O(1) here.
-    // Measured: 2.6e-2 with a BF16 residual stream, 9.6e-2 (worst of 80 rows) since the BF16 mode
-    // keeps activations in FP32 (the residual sums round differently; tiny-t agrees better).
-    assert!(worst <= 0.2, "bf16 logits: worst row {worst:.3e}");
+    // Not the BF16 accuracy criterion (judged on the trained tiny-t: tests/tests/engine_agreement.rs),
+    // but a real bound on the rows no routing flip can explain: measured 2.2e-2 (seed 4).
+    assert!(worst <= 5e-2, "bf16 logits: worst row {worst:.3e}");
     // and decode steps stay on the same track
     let (a, c) = (f.step(&mut sf, 7).unwrap(), b.step(&mut sb, 7).unwrap());
     let e = rel_l2(&c, &a);
