@@ -100,6 +100,8 @@ pub struct Engine {
     options: EngineOptions,
     /// The decoder ranks this engine is one of (a group of one in a single process).
     world: &'static crate::distributed::Group,
+    /// Set: the local prefill in progress stops at the next chunk ([`Self::set_cancel`]).
+    cancel: std::sync::Mutex<Option<std::sync::Arc<std::sync::atomic::AtomicBool>>>,
 }
 
 impl Engine {
@@ -152,7 +154,17 @@ impl Engine {
             ranks = world.size(),
             "model loaded"
         );
-        Ok(Engine { config, model, fingerprint, options, world })
+        Ok(Engine { config, model, fingerprint, options, world, cancel: Default::default() })
+    }
+
+    /// The flag that cancels local prefills: while it is set, a prefill stops before its next
+    /// chunk with an error (the session then holds the chunks already run). `None` clears it.
+    pub fn set_cancel(&self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
+        *self.cancel.lock().unwrap_or_else(|e| e.into_inner()) = flag;
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     pub fn config(&self) -> &K3Config {
@@ -247,6 +259,9 @@ impl Engine {
         let n = tokens.len();
         let mut c0 = 0;
         while c0 < n {
+            if self.cancelled() {
+                bail!("prefill cancelled after {c0} of {n} tokens: the request was abandoned");
+            }
             let c1 = (c0 + self.options.prefill_chunk).min(n);
             let xc = x.try_index_range(c0, c1)?;
             // forward reads each MoE layer's routing back (collectives run there too)
@@ -343,6 +358,40 @@ impl Engine {
             }
         }
         s.last_logits = Some(to_vec_f32(&logits)?);
+        Ok(())
+    }
+
+    /// One decode step of several sessions at once (continuous batching): feeds `tokens[i]`
+    /// to `sessions[i]` and keeps each one's next logits. The sessions' rows go through the
+    /// layers together (one pass over the weights for the whole batch); each session's KDA
+    /// states and MLA latent rows stay its own, whatever its length. Equal to stepping them
+    /// one by one up to float rounding (tested). With decoder ranks the sessions are stepped
+    /// one after another.
+    pub fn step_batch(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()> {
+        if sessions.len() != tokens.len() {
+            bail!("{} sessions for {} tokens", sessions.len(), tokens.len());
+        }
+        if sessions.len() <= 1 || self.world.is_distributed() {
+            return sessions.iter_mut().zip(tokens).try_for_each(|(s, &t)| self.advance(s, t));
+        }
+        let ids = self.check_ids(tokens)?;
+        let b = ids.len();
+        let x = self.model.embed(&array_i32(&ids, &[b], "tokens")?)?;
+        let mut caches: Vec<&mut ModelCache> = sessions.iter_mut().map(|s| &mut s.cache).collect();
+        let hidden = self.model.forward_batch(&x, &mut caches, KdaMode::Recurrent)?;
+        let logits = self.model.logits(&hidden)?; // [B, vocab]
+        let mut to_eval: Vec<&Array> = caches.iter().flat_map(|c| c.arrays()).collect();
+        to_eval.push(&logits);
+        mlx_rs::transforms::eval(to_eval)?;
+        drop(caches);
+        let all = to_vec_f32(&logits)?;
+        let vocab = self.text_config().vocab_size;
+        if all.len() != b * vocab {
+            bail!("a batched step returned {} logits for {b} sessions of vocabulary {vocab}", all.len());
+        }
+        for (s, row) in sessions.iter_mut().zip(all.chunks_exact(vocab)) {
+            s.last_logits = Some(row.to_vec());
+        }
         Ok(())
     }
 

@@ -96,9 +96,155 @@ impl GenerateOutput {
     }
 }
 
-/// The decode loop: samples from `seq`'s logits, reports each token to `on_token` (return false
-/// to stop), feeds it, until `max_new_tokens` or a stop token. Every emitted token is fed, so
-/// the sequence afterwards holds its prompt and the output.
+/// Several sequences decoded together: the decode loop's batched form. A model that can run
+/// one step for many sequences at once (the server's continuous batching) feeds them in one
+/// call; [`TokenStep`] is the batch of one.
+pub trait BatchStep {
+    /// Logits predicting sequence `i`'s next token (`None` before a prefill).
+    fn next_logits(&self, i: usize) -> Option<&[f32]>;
+    /// Feeds `tokens[j]` to sequence `seqs[j]` (ascending, distinct), as one step.
+    fn feed(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<()>;
+}
+
+/// A single sequence as a batch of one.
+struct One<'a, T: TokenStep>(&'a mut T);
+
+impl<T: TokenStep> BatchStep for One<'_, T> {
+    fn next_logits(&self, _: usize) -> Option<&[f32]> {
+        self.0.next_logits()
+    }
+    fn feed(&mut self, _: &[usize], tokens: &[u32]) -> Result<()> {
+        tokens.iter().try_for_each(|&t| self.0.feed(t))
+    }
+}
+
+/// One sequence's place in the decode loop: its sampler (own seed), constraint, the tokens
+/// emitted, and why it ended.
+pub struct Decoding<'c> {
+    params: GenerateParams,
+    sampler: Sampler,
+    constraint: Option<Box<dyn TokenConstraint + 'c>>,
+    scratch: Vec<f32>,
+    tokens: Vec<u32>,
+    started: Instant,
+    mask_time: Duration,
+    finish: Option<FinishReason>,
+    /// Why the sequence failed (a sampling or constraint error of its own).
+    failed: Option<anyhow::Error>,
+}
+
+impl<'c> Decoding<'c> {
+    pub fn new(params: GenerateParams, constraint: Option<Box<dyn TokenConstraint + 'c>>) -> Result<Self> {
+        let sampler = Sampler::new(params.sampling.clone()).map_err(|e| anyhow!("sampling parameters: {e}"))?;
+        let finish = (params.max_new_tokens == 0).then_some(FinishReason::Length);
+        let cap = params.max_new_tokens.min(4096);
+        Ok(Decoding {
+            params,
+            sampler,
+            constraint,
+            scratch: Vec::new(),
+            tokens: Vec::with_capacity(cap),
+            started: Instant::now(),
+            mask_time: Duration::ZERO,
+            finish,
+            failed: None,
+        })
+    }
+
+    /// Done: finished (why) or failed.
+    pub fn done(&self) -> bool {
+        self.finish.is_some() || self.failed.is_some()
+    }
+
+    /// The tokens emitted so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// What the sequence produced, or the error that ended it.
+    pub fn into_output(self) -> Result<GenerateOutput> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        let out = GenerateOutput {
+            tokens: self.tokens,
+            finish: self.finish.unwrap_or(FinishReason::Cancelled),
+            decode_time: self.started.elapsed(),
+            mask_time: self.mask_time,
+        };
+        tracing::debug!(tokens = out.tokens.len(), tok_per_s = out.tokens_per_second(), finish = ?out.finish, mask_s = out.mask_time.as_secs_f64(), "decode");
+        Ok(out)
+    }
+
+    /// Picks the next token from `logits` (masked by the constraint, which follows it).
+    fn choose(&mut self, logits: Option<&[f32]>) -> Result<Emitted> {
+        let logits = logits.ok_or_else(|| anyhow!("the session has no logits to sample from: prefill or ingest (with logits) first"))?;
+        let tok = match self.constraint.as_deref_mut() {
+            None => self.sampler.sample(logits).map_err(|e| anyhow!("sampling: {e}"))?,
+            Some(c) => {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(logits);
+                let tm = Instant::now();
+                c.mask(&mut self.scratch).map_err(|e| anyhow!("constrained decoding: {e}"))?;
+                self.mask_time += tm.elapsed();
+                let tok = self.sampler.sample(&self.scratch).map_err(|e| anyhow!("sampling: {e}"))?;
+                c.commit(tok).map_err(|e| anyhow!("constrained decoding: {e}"))?;
+                tok
+            }
+        };
+        let (logprob, top) = match self.params.logprobs {
+            Some(k) => {
+                let (lp, top) = logprobs_of(logits, tok, k);
+                (Some(lp), top)
+            }
+            None => (None, Vec::new()),
+        };
+        Ok(Emitted { token: tok, logprob, top })
+    }
+
+    /// Records an emitted token (it is fed next) and whether the caller wants more.
+    fn record(&mut self, tok: u32, go_on: bool) {
+        self.tokens.push(tok);
+        if self.params.stop_tokens.contains(&tok) {
+            self.finish = Some(FinishReason::Stop);
+        } else if !go_on {
+            self.finish = Some(FinishReason::Cancelled);
+        } else if self.tokens.len() >= self.params.max_new_tokens {
+            self.finish = Some(FinishReason::Length);
+        }
+    }
+}
+
+/// The decode loop's step, over any number of sequences: each one not done samples from its
+/// logits and reports the token to `on_token(i, ..)` (false stops that sequence); then every
+/// emitted token is fed, all in one [`BatchStep::feed`]. Every emitted token is fed, so a
+/// sequence afterwards holds its prompt and the output. A sequence whose own sampling fails
+/// ends failed (see [`Decoding::into_output`]); an error of the shared feed is returned.
+pub fn decode_step(batch: &mut impl BatchStep, seqs: &mut [&mut Decoding<'_>], mut on_token: impl FnMut(usize, &Emitted) -> bool) -> Result<()> {
+    let mut fed = Vec::with_capacity(seqs.len());
+    let mut toks = Vec::with_capacity(seqs.len());
+    for (i, d) in seqs.iter_mut().enumerate() {
+        if d.done() {
+            continue;
+        }
+        match d.choose(batch.next_logits(i)) {
+            Ok(e) => {
+                let go_on = on_token(i, &e);
+                d.record(e.token, go_on);
+                fed.push(i);
+                toks.push(e.token);
+            }
+            Err(e) => d.failed = Some(e),
+        }
+    }
+    if fed.is_empty() {
+        return Ok(());
+    }
+    batch.feed(&fed, &toks)
+}
+
+/// The decode loop on one sequence: samples from `seq`'s logits, reports each token to
+/// `on_token` (return false to stop), feeds it, until `max_new_tokens` or a stop token.
 pub fn generate(seq: &mut impl TokenStep, params: &GenerateParams, mut on_token: impl FnMut(u32) -> bool) -> Result<GenerateOutput> {
     generate_constrained(seq, params, None, |e| on_token(e.token))
 }
@@ -108,54 +254,15 @@ pub fn generate(seq: &mut impl TokenStep, params: &GenerateParams, mut on_token:
 pub fn generate_constrained(
     seq: &mut impl TokenStep,
     params: &GenerateParams,
-    mut constraint: Option<&mut dyn TokenConstraint>,
+    constraint: Option<&mut dyn TokenConstraint>,
     mut on_token: impl FnMut(&Emitted) -> bool,
 ) -> Result<GenerateOutput> {
-    let mut sampler = Sampler::new(params.sampling.clone()).map_err(|e| anyhow!("sampling parameters: {e}"))?;
-    let t0 = Instant::now();
-    let mut mask_time = Duration::ZERO;
-    let mut scratch = Vec::new();
-    let mut tokens = Vec::with_capacity(params.max_new_tokens.min(4096));
-    let mut finish = FinishReason::Length;
-    while tokens.len() < params.max_new_tokens {
-        let logits = seq
-            .next_logits()
-            .ok_or_else(|| anyhow!("the session has no logits to sample from: prefill or ingest (with logits) first"))?;
-        let tok = match constraint.as_deref_mut() {
-            None => sampler.sample(logits).map_err(|e| anyhow!("sampling: {e}"))?,
-            Some(c) => {
-                scratch.clear();
-                scratch.extend_from_slice(logits);
-                let tm = Instant::now();
-                c.mask(&mut scratch).map_err(|e| anyhow!("constrained decoding: {e}"))?;
-                mask_time += tm.elapsed();
-                let tok = sampler.sample(&scratch).map_err(|e| anyhow!("sampling: {e}"))?;
-                c.commit(tok).map_err(|e| anyhow!("constrained decoding: {e}"))?;
-                tok
-            }
-        };
-        let (logprob, top) = match params.logprobs {
-            Some(k) => {
-                let (lp, top) = logprobs_of(logits, tok, k);
-                (Some(lp), top)
-            }
-            None => (None, Vec::new()),
-        };
-        tokens.push(tok);
-        let go_on = on_token(&Emitted { token: tok, logprob, top });
-        seq.feed(tok)?;
-        if params.stop_tokens.contains(&tok) {
-            finish = FinishReason::Stop;
-            break;
-        }
-        if !go_on {
-            finish = FinishReason::Cancelled;
-            break;
-        }
+    let mut d = Decoding::new(params.clone(), constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint + '_>))?;
+    let mut one = One(seq);
+    while !d.done() {
+        decode_step(&mut one, &mut [&mut d], |_, e| on_token(e))?;
     }
-    let out = GenerateOutput { tokens, finish, decode_time: t0.elapsed(), mask_time };
-    tracing::debug!(tokens = out.tokens.len(), tok_per_s = out.tokens_per_second(), ?finish, mask_s = mask_time.as_secs_f64(), "decode");
-    Ok(out)
+    d.into_output()
 }
 
 #[cfg(test)]
@@ -244,6 +351,50 @@ mod tests {
         let out = generate_constrained(&mut c, &GenerateParams::greedy(4), Some(&mut odd), |_| true).unwrap();
         assert!(out.tokens.iter().all(|t| t % 2 == 1), "{:?}", out.tokens);
         assert_eq!(odd.0, out.tokens);
+    }
+
+    /// Counters stepped together, fed through one batched call.
+    struct Counters {
+        seqs: Vec<Counter>,
+        feeds: Vec<Vec<usize>>,
+    }
+    impl BatchStep for Counters {
+        fn next_logits(&self, i: usize) -> Option<&[f32]> {
+            self.seqs[i].next_logits()
+        }
+        fn feed(&mut self, seqs: &[usize], tokens: &[u32]) -> Result<()> {
+            self.feeds.push(seqs.to_vec());
+            seqs.iter().zip(tokens).try_for_each(|(&i, &t)| self.seqs[i].feed(t))
+        }
+    }
+
+    #[test]
+    fn a_batch_steps_each_sequence_as_alone() {
+        let params = [
+            GenerateParams::greedy(3),
+            GenerateParams { stop_tokens: vec![4], ..GenerateParams::greedy(10) },
+            GenerateParams { logprobs: Some(1), ..GenerateParams::greedy(5) },
+        ];
+        let alone: Vec<GenerateOutput> = params.iter().map(|p| generate(&mut counter(), p, |_| true).unwrap()).collect();
+        let mut batch = Counters { seqs: (0..3).map(|_| counter()).collect(), feeds: vec![] };
+        let mut decs: Vec<Decoding> = params.iter().map(|p| Decoding::new(p.clone(), None).unwrap()).collect();
+        let mut seen = vec![Vec::new(); 3];
+        while decs.iter().any(|d| !d.done()) {
+            let mut refs: Vec<&mut Decoding> = decs.iter_mut().collect();
+            decode_step(&mut batch, &mut refs, |i, e| {
+                seen[i].push(e.token);
+                true
+            })
+            .unwrap();
+        }
+        for (i, d) in decs.into_iter().enumerate() {
+            let out = d.into_output().unwrap();
+            assert_eq!((&out.tokens, out.finish), (&alone[i].tokens, alone[i].finish), "sequence {i}");
+            assert_eq!(seen[i], out.tokens);
+            assert_eq!(batch.seqs[i].fed, out.tokens);
+        }
+        // one feed call per step, the finished sequences dropping out
+        assert_eq!(batch.feeds, vec![vec![0, 1, 2], vec![0, 1, 2], vec![0, 1, 2], vec![2], vec![2]]);
     }
 
     #[test]

@@ -50,6 +50,15 @@ pub trait TokenConstraint {
     fn commit(&mut self, token: u32) -> Result<(), String>;
 }
 
+impl<T: TokenConstraint + ?Sized> TokenConstraint for &mut T {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        (**self).mask(logits)
+    }
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        (**self).commit(token)
+    }
+}
+
 /// A seeded sampler.
 pub struct Sampler {
     params: SamplingParams,

@@ -45,6 +45,10 @@ pub struct Args {
     /// `/v1/*` requests running at once; more get 429 with `Retry-After`.
     #[arg(long, default_value_t = 64)]
     pub max_concurrent_requests: usize,
+    /// Requests decoded together, their decode steps batched into one pass over the weights
+    /// (continuous batching); further admitted requests wait. 1 decodes one at a time.
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
 }
 
 #[cfg(not(feature = "mlx"))]
@@ -74,9 +78,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let dir = args.model.clone();
     let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), ..Default::default() };
     let max_context = args.max_context;
+    let max_batch = args.max_batch;
     let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
     let load = move || {
-        let e = MlxEngine::load(&dir, opts, max_context)?;
+        let e = MlxEngine::load(&dir, opts, max_context)?.with_max_batch(max_batch);
         match remote {
             Some(o) => e.with_remote(o),
             None => Ok(e),

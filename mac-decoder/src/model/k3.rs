@@ -177,21 +177,22 @@ impl Kda {
         })
     }
 
-    /// §3.3 step 2: causal depthwise conv over `[window; x]`, then SiLU. Returns the outputs
-    /// `[T, C]` and the new window (the last `kernel-1` pre-conv inputs).
+    /// §3.3 step 2: causal depthwise conv over `[window; x]`, then SiLU, for `B` sequences at
+    /// once: windows `[B, kernel-1, C]`, inputs `[B, T, C]`. Returns the outputs `[B, T, C]` and
+    /// the new windows (the last `kernel-1` pre-conv inputs).
     fn short_conv(window: &Array, x: &Array, taps: &Array) -> Result<(Array, Array)> {
-        let t = x.shape()[0];
+        let t = x.shape()[1];
         let kernel = taps.shape()[1];
-        let full = ops::concatenate(&[window, x], 0)?; // [T + kernel-1, C]
+        let full = ops::concatenate(&[window, x], 1)?; // [B, T + kernel-1, C]
         let mut y: Option<Array> = None;
         for j in 0..kernel {
-            let term = full.try_index(j..j + t)? * taps.try_index((.., j))?;
+            let term = full.try_index((.., j..j + t))? * taps.try_index((.., j))?;
             y = Some(match y {
                 None => term,
                 Some(acc) => acc + term,
             });
         }
-        let new_window = full.try_index(t..t + kernel - 1)?;
+        let new_window = full.try_index((.., t..t + kernel - 1))?;
         Ok((silu(&y.expect("kernel >= 2"))?, new_window))
     }
 
@@ -200,39 +201,61 @@ impl Kda {
         Ok(x * ops::rsqrt(x.square()?.sum_axis(-1, true)? + KDA_L2_EPS)?)
     }
 
-    fn forward(&self, x: &Array, cache: &mut KdaCache, mode: KdaMode) -> Result<Array> {
-        let t = x.shape()[0];
+    /// `x` holds `T` rows of each of the `B` sequences of `caches` (sequence-major); their
+    /// states advance together (`B` > 1: decode steps, `T` = 1).
+    fn forward(&self, x: &Array, caches: &mut [&mut KdaCache], mode: KdaMode) -> Result<Array> {
+        let b = caches.len() as i32;
+        let rows = x.shape()[0];
+        let t = rows / b;
         let (h, d) = (self.heads, self.dim);
+        // the sequences' states stacked on a leading axis
+        let stack = |f: fn(&KdaCache) -> &Array| -> Result<Array> {
+            if b == 1 {
+                return Ok(ops::expand_dims(f(caches[0]), 0)?);
+            }
+            let parts: Vec<&Array> = caches.iter().map(|c| f(c)).collect();
+            Ok(ops::stack(&parts, 0)?)
+        };
+        let (cq, ck, cv) = (stack(|c| &c.conv_q)?, stack(|c| &c.conv_k)?, stack(|c| &c.conv_v)?);
+        let state = stack(|c| &c.state)?.reshape(&[b * h, d, d])?;
         // 1-2. projections, short conv + SiLU (windows carried in the cache)
         // (projections in the weights' dtype; conv, gates and the recurrence in FP32)
-        let (q, wq) = Self::short_conv(&cache.conv_q, &f32(&linear(x, &self.q_proj)?)?, &self.q_conv)?;
-        let (k, wk) = Self::short_conv(&cache.conv_k, &f32(&linear(x, &self.k_proj)?)?, &self.k_conv)?;
-        let (v, wv) = Self::short_conv(&cache.conv_v, &f32(&linear(x, &self.v_proj)?)?, &self.v_conv)?;
-        cache.conv_q = wq;
-        cache.conv_k = wk;
-        cache.conv_v = wv;
-        // 3-4. heads, L2 norm, q scaled by D^-1/2; head-major [H, T, D]
-        let heads = |a: &Array| -> Result<Array> { Ok(a.reshape(&[t, h, d])?.transpose_axes(&[1, 0, 2])?) };
+        let proj = |w: &Array| -> Result<Array> { Ok(f32(&linear(x, w)?)?.reshape(&[b, t, h * d])?) };
+        let (q, wq) = Self::short_conv(&cq, &proj(&self.q_proj)?, &self.q_conv)?;
+        let (k, wk) = Self::short_conv(&ck, &proj(&self.k_proj)?, &self.k_conv)?;
+        let (v, wv) = Self::short_conv(&cv, &proj(&self.v_proj)?, &self.v_conv)?;
+        // 3-4. heads, L2 norm, q scaled by D^-1/2; head-major per sequence [B·H, T, D]
+        let heads = |a: &Array| -> Result<Array> { Ok(a.reshape(&[b, t, h, d])?.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b * h, t, d])?) };
         let q = Self::l2norm(&heads(&q)?)? * (d as f32).powf(-0.5);
         let k = Self::l2norm(&heads(&k)?)?;
         let v = heads(&v)?;
         // 5. bounded decay gate g = lb·σ(exp(A_log[h])·z), z = W_fb W_fa x + dt_bias
-        let z = f32(&linear(&linear(x, &self.f_a)?, &self.f_b)?)?.reshape(&[t, h, d])? + &self.dt_bias;
+        let z = f32(&linear(&linear(x, &self.f_a)?, &self.f_b)?)?.reshape(&[rows, h, d])? + &self.dt_bias;
         let g = sigmoid(&(z * &self.a))? * self.gate_lower_bound;
-        let g = g.transpose_axes(&[1, 0, 2])?;
-        // 6. write strength β = σ(W_b x), [H, T]
-        let beta = sigmoid(&f32(&linear(x, &self.b_proj)?)?)?.t();
+        let g = heads(&g)?;
+        // 6. write strength β = σ(W_b x), [B·H, T]
+        let beta = sigmoid(&f32(&linear(x, &self.b_proj)?)?)?.reshape(&[b, t, h])?.transpose_axes(&[0, 2, 1])?.reshape(&[b * h, t])?;
         // 7. delta rule
+        let mut state = state;
         let o = match mode {
-            KdaMode::Recurrent => kda_recurrent(&q, &k, &v, &g, &beta, &mut cache.state)?,
-            KdaMode::Chunked => kda_chunked(&q, &k, &v, &g, &beta, &mut cache.state)?,
+            KdaMode::Recurrent => kda_recurrent(&q, &k, &v, &g, &beta, &mut state)?,
+            KdaMode::Chunked => kda_chunked(&q, &k, &v, &g, &beta, &mut state)?,
         };
+        // the new states and windows back to their sequences
+        let state = state.reshape(&[b, h, d, d])?;
+        for (i, c) in caches.iter_mut().enumerate() {
+            let i = i as i32;
+            c.state = state.try_index(i)?;
+            c.conv_q = wq.try_index(i)?;
+            c.conv_k = wk.try_index(i)?;
+            c.conv_v = wv.try_index(i)?;
+        }
         // 8. gated RMSNorm per head: RMSNorm(o)·o_norm·σ(W_g x)
-        let o = o.transpose_axes(&[1, 0, 2])?; // [T, H, D]
-        let gate = sigmoid(&f32(&linear(x, &self.g_proj)?)?.reshape(&[t, h, d])?)?;
+        let o = o.reshape(&[b, h, t, d])?.transpose_axes(&[0, 2, 1, 3])?.reshape(&[rows, h, d])?; // [B·T, H, D]
+        let gate = sigmoid(&f32(&linear(x, &self.g_proj)?)?.reshape(&[rows, h, d])?)?;
         let o = rms_norm(&o, &self.o_norm, self.eps)? * gate;
         // 9. output projection
-        linear(&o.reshape(&[t, h * d])?, &self.o_proj)
+        linear(&o.reshape(&[rows, h * d])?, &self.o_proj)
     }
 }
 
@@ -359,36 +382,51 @@ impl Mla {
         Ok(ops::concatenate(&[&c_kv, &k_pe], -1)?)
     }
 
-    fn forward(&self, x: &Array, cache: &mut MlaCache) -> Result<Array> {
-        let t = x.shape()[0];
+    /// `x` holds `T` rows of each of the `B` sequences of `caches` (sequence-major). Every
+    /// sequence attends over its own latent rows (their lengths differ): the projections run
+    /// on all rows at once, the attention per sequence.
+    fn forward(&self, x: &Array, caches: &mut [&mut MlaCache]) -> Result<Array> {
+        let b = caches.len() as i32;
+        let rows = x.shape()[0];
+        let t = rows / b;
         let (h, dn, dr) = (self.heads, self.nope, self.rope);
-        let past = cache.rows() as i32;
-        // queries: c_q = RMSNorm(W_qa x), q = W_qb c_q → [H, T, nope | rope]
+        // queries: c_q = RMSNorm(W_qa x), q = W_qb c_q → [H, rows, nope | rope]
         let c_q = rms_norm(&linear(x, &self.q_a)?, &self.q_a_norm, MLA_NORM_EPS)?;
-        let q = f32(&linear(&c_q, &self.q_b)?)?.reshape(&[t, h, dn + dr])?.transpose_axes(&[1, 0, 2])?;
+        let q = f32(&linear(&c_q, &self.q_b)?)?.reshape(&[rows, h, dn + dr])?.transpose_axes(&[1, 0, 2])?;
         let q_nope = cols(&q, 0, dn)?;
         let q_pe = cols(&q, dn, dn + dr)?;
-        // the latent cache, with this call's rows appended
-        let all = cache.append(&self.latent_rows(x)?)?; // [n, rank + rope]
-        let c_kv = cols(&all, 0, self.rank)?;
-        let k_pe = cols(&all, self.rank, self.rank + dr)?;
-        // absorbed scores: q̃_h = W_UKᵀ q_nope_h; (q̃·c_kv + q_pe·k_pe)/√(nope+rope)
-        let q_abs = q_nope.matmul(&f32(&self.w_uk)?)?; // [H, T, rank]
-        let scores = (q_abs.matmul(c_kv.t())? + q_pe.matmul(k_pe.t())?) * (1.0 / ((dn + dr) as f32).sqrt());
-        let n = past + t;
-        let scores = if t > 1 {
-            // causal: query t (absolute past + t) sees keys s ≤ past + t
-            let qpos = ops::arange::<_, i32>(past, n, None)?;
-            let kpos = ops::arange::<_, i32>(None, n, None)?;
-            let ok = ops::expand_dims(&kpos, 0)?.le(&ops::expand_dims(&qpos, 1)?)?; // [T, n]
-            ops::select(&ok, &scores, Array::from_f32(f32::NEG_INFINITY))?
-        } else {
-            scores
-        };
-        let p = ops::softmax_axis(&scores, -1, true)?;
+        // absorbed queries: q̃_h = W_UKᵀ q_nope_h
+        let q_abs = q_nope.matmul(&f32(&self.w_uk)?)?; // [H, rows, rank]
+        let latent = self.latent_rows(x)?; // [rows, rank + rope]
+        let scale = 1.0 / ((dn + dr) as f32).sqrt();
+        let mut ctx = Vec::with_capacity(caches.len());
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let (r0, r1) = (i as i32 * t, (i as i32 + 1) * t);
+            let own = |a: &Array| -> Result<Array> { if b == 1 { Ok(a.clone()) } else { Ok(a.try_index((.., r0..r1))?) } };
+            let past = cache.rows() as i32;
+            // the latent cache, with this call's rows appended
+            let all = cache.append(&if b == 1 { latent.clone() } else { latent.try_index(r0..r1)? })?; // [n, rank + rope]
+            let c_kv = cols(&all, 0, self.rank)?;
+            let k_pe = cols(&all, self.rank, self.rank + dr)?;
+            // (q̃·c_kv + q_pe·k_pe)/√(nope+rope)
+            let scores = (own(&q_abs)?.matmul(c_kv.t())? + own(&q_pe)?.matmul(k_pe.t())?) * scale;
+            let n = past + t;
+            let scores = if t > 1 {
+                // causal: query t (absolute past + t) sees keys s ≤ past + t
+                let qpos = ops::arange::<_, i32>(past, n, None)?;
+                let kpos = ops::arange::<_, i32>(None, n, None)?;
+                let ok = ops::expand_dims(&kpos, 0)?.le(&ops::expand_dims(&qpos, 1)?)?; // [T, n]
+                ops::select(&ok, &scores, Array::from_f32(f32::NEG_INFINITY))?
+            } else {
+                scores
+            };
+            let p = ops::softmax_axis(&scores, -1, true)?;
+            ctx.push(p.matmul(&c_kv)?); // Σ_s p_s c_kv,s, [H, T, rank]
+        }
+        let ctx = if ctx.len() == 1 { ctx.pop().expect("one") } else { ops::concatenate(&ctx, 1)? };
         // ō_h = W_UV^h (Σ_s p_s c_kv,s)
-        let o = p.matmul(&c_kv)?.matmul(&f32(&self.w_uv_t)?)?; // [H, T, v]
-        let o = o.transpose_axes(&[1, 0, 2])?.reshape(&[t, h * self.v_dim])?;
+        let o = ctx.matmul(&f32(&self.w_uv_t)?)?; // [H, rows, v]
+        let o = o.transpose_axes(&[1, 0, 2])?.reshape(&[rows, h * self.v_dim])?;
         let o = o * sigmoid(&f32(&linear(x, &self.g_proj)?)?)?;
         linear(&o, &self.o_proj)
     }
@@ -671,11 +709,24 @@ impl K3Text {
     /// The text forward of §3.1 over `x` `[T, H]` (embeddings of the next T tokens), advancing
     /// `cache`. Returns the final normed hidden states `[T, H]` (feed to [`Self::logits`]).
     pub fn forward(&self, x: &Array, cache: &mut ModelCache, kda_mode: KdaMode) -> Result<Array> {
+        self.forward_batch(x, &mut [cache], kda_mode)
+    }
+
+    /// [`Self::forward`] of several sequences at once: `x` `[B·T, H]` holds the next `T`
+    /// tokens of each of the `B` sequences of `caches` (sequence-major). Every row-wise part
+    /// (projections, norms, MoE, AttnRes) runs on all rows together — one pass over the
+    /// weights for the whole batch; KDA states advance stacked, MLA attends per sequence.
+    pub fn forward_batch(&self, x: &Array, caches: &mut [&mut ModelCache], kda_mode: KdaMode) -> Result<Array> {
         let eps = self.config.rms_norm_eps;
-        let t = x.shape()[0] as usize;
+        let b = caches.len();
+        let rows = x.shape()[0] as usize;
+        if b == 0 || rows % b != 0 {
+            bail!("{rows} input rows do not split evenly over {b} sequences");
+        }
+        let t = rows / b;
         let mut p: Option<Array> = Some(f32(x)?); // P := embedding (FP32 residual stream)
         let mut bank: Vec<Array> = Vec::new(); // B
-        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (li, layer) in self.layers.iter().enumerate() {
             let cur = p.take().expect("P is set between layers");
             let h = if bank.is_empty() { cur.clone() } else { layer.attn_res.mix(&bank, &cur, eps)? };
             let mut cur = Some(cur);
@@ -683,10 +734,28 @@ impl K3Text {
                 bank.push(cur.take().expect("P")); // bank the raw running sum, restart
             }
             let xin = rms_norm(&h, &layer.input_norm, eps)?;
-            let u = match (&layer.attn, lc) {
-                (Attention::Kda(a), LayerCache::Kda(c)) => a.forward(&xin, c, kda_mode)?,
-                (Attention::Mla(a), LayerCache::Mla(c)) => a.forward(&xin, c)?,
-                _ => bail!("layer {}: cache kind does not match the layer kind", layer.spec.index),
+            let kind_mismatch = || anyhow::anyhow!("layer {}: cache kind does not match the layer kind", layer.spec.index);
+            let u = match &layer.attn {
+                Attention::Kda(a) => {
+                    let mut cs = Vec::with_capacity(b);
+                    for c in caches.iter_mut() {
+                        match c.layers.get_mut(li) {
+                            Some(LayerCache::Kda(k)) => cs.push(k),
+                            _ => return Err(kind_mismatch()),
+                        }
+                    }
+                    a.forward(&xin, &mut cs, kda_mode)?
+                }
+                Attention::Mla(a) => {
+                    let mut cs = Vec::with_capacity(b);
+                    for c in caches.iter_mut() {
+                        match c.layers.get_mut(li) {
+                            Some(LayerCache::Mla(m)) => cs.push(m),
+                            _ => return Err(kind_mismatch()),
+                        }
+                    }
+                    a.forward(&xin, &mut cs)?
+                }
             };
             let pu = match cur {
                 None => u,
@@ -700,7 +769,9 @@ impl K3Text {
             };
             p = Some(pu + m);
         }
-        cache.tokens += t;
+        for c in caches.iter_mut() {
+            c.tokens += t;
+        }
         let z = self.out_res.mix(&bank, &p.expect("P after the last layer"), eps)?;
         rms_norm(&z, &self.norm, eps)
     }

@@ -218,6 +218,24 @@ impl Conversation {
         }
     }
 
+    /// One decode step of several conversations at once ([`Engine::step_batch`]); each one's
+    /// token joins its history. A step that fails half-way marks the conversations it changed
+    /// as broken.
+    pub fn step_batch(engine: &Engine, convs: &mut [&mut Conversation], tokens: &[u32]) -> Result<()> {
+        convs.iter().try_for_each(|c| c.check())?;
+        let before: Vec<usize> = convs.iter().map(|c| c.session.tokens()).collect();
+        let mut sessions: Vec<&mut Session> = convs.iter_mut().map(|c| &mut c.session).collect();
+        let r = engine.step_batch(&mut sessions, tokens);
+        for ((c, b), &t) in convs.iter_mut().zip(before).zip(tokens) {
+            match &r {
+                Ok(()) => c.history.push(t),
+                Err(_) if c.session.tokens() != b => c.broken = true,
+                Err(_) => {}
+            }
+        }
+        r
+    }
+
     /// An independent copy (a checkpoint): the state through the hand-off layout, the same
     /// history, and the same id and node prefix. Whichever copy continues first extends the
     /// node's prefix; the node checks a base's length and hash, so the other copy's next remote

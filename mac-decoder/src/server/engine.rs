@@ -53,6 +53,20 @@ pub trait GenerationEngine: 'static {
     fn prefill(&mut self, s: &mut Self::Session, tokens: &[u32]) -> anyhow::Result<PrefillReport>;
     /// Feeds one generated token.
     fn step(&mut self, s: &mut Self::Session, token: u32) -> anyhow::Result<()>;
+    /// Feeds `tokens[i]` to `sessions[i]`: one decode step of several sessions (continuous
+    /// batching). An engine that can stacks them into one forward pass; the default steps them
+    /// one after another. Each session ends as [`Self::step`] would leave it.
+    fn step_batch(&mut self, sessions: &mut [&mut Self::Session], tokens: &[u32]) -> anyhow::Result<()> {
+        anyhow::ensure!(sessions.len() == tokens.len(), "{} sessions for {} tokens", sessions.len(), tokens.len());
+        sessions.iter_mut().zip(tokens).try_for_each(|(s, &t)| self.step(s, t))
+    }
+    /// Sessions decoded together at most (the rest of the admitted requests wait their turn).
+    fn max_batch(&self) -> usize {
+        8
+    }
+    /// The flag that cancels the prefill in progress (checked between chunks locally, and on
+    /// every event of a remote transfer); `None` clears it. The default ignores it.
+    fn set_cancel(&mut self, _flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {}
     /// Logits of the next token, if the session has any.
     fn logits<'a>(&self, s: &'a Self::Session) -> Option<&'a [f32]>;
     /// Tokens the session holds.
@@ -97,8 +111,10 @@ pub struct FakeEngine {
     responder: Responder,
     /// Simulated time per prefilled token.
     pub prefill_delay_per_token: Duration,
-    /// Simulated time per generated token.
+    /// Simulated time per generated token (per batched step: see [`GenerationEngine::step_batch`]).
     pub step_delay: Duration,
+    /// Set by the worker around a prefill: a simulated prefill stops when it is raised.
+    cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// A [`FakeEngine`] session: the tokens consumed and the next-token logits.
@@ -123,6 +139,7 @@ impl FakeEngine {
             responder: Box::new(responder),
             prefill_delay_per_token: Duration::ZERO,
             step_delay: Duration::ZERO,
+            cancel: None,
         }
     }
 
@@ -171,7 +188,14 @@ impl GenerationEngine for FakeEngine {
             anyhow::bail!("token {bad} is outside the vocabulary (size {})", self.vocab);
         }
         let t0 = std::time::Instant::now();
-        std::thread::sleep(self.prefill_delay_per_token * tokens.len() as u32);
+        // the simulated time in slices of at most 10 ms, each checking the cancel flag
+        let total = self.prefill_delay_per_token * tokens.len() as u32;
+        while t0.elapsed() < total {
+            if self.cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed)) {
+                anyhow::bail!("prefill cancelled");
+            }
+            std::thread::sleep((total - t0.elapsed()).min(Duration::from_millis(10)));
+        }
         s.tokens.extend_from_slice(tokens);
         self.set_logits(s);
         Ok(PrefillReport { tokens: tokens.len(), seconds: t0.elapsed().as_secs_f64(), ..Default::default() })
@@ -180,6 +204,19 @@ impl GenerationEngine for FakeEngine {
         std::thread::sleep(self.step_delay);
         s.tokens.push(token);
         self.set_logits(s);
+        Ok(())
+    }
+    fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
+        self.cancel = flag;
+    }
+    /// A batched step: the simulated step time is paid once for the whole batch.
+    fn step_batch(&mut self, sessions: &mut [&mut FakeSession], tokens: &[u32]) -> anyhow::Result<()> {
+        anyhow::ensure!(sessions.len() == tokens.len(), "{} sessions for {} tokens", sessions.len(), tokens.len());
+        std::thread::sleep(self.step_delay);
+        for (s, &t) in sessions.iter_mut().zip(tokens) {
+            s.tokens.push(t);
+            self.set_logits(s);
+        }
         Ok(())
     }
     fn logits<'a>(&self, s: &'a FakeSession) -> Option<&'a [f32]> {

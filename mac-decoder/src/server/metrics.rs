@@ -37,6 +37,12 @@ pub struct Metrics {
     pub sessions_held: Gauge,
     pub session_bytes: Gauge,
     pub sessions_evicted: Counter,
+    /// Jobs decoding together in the last decode step (continuous batching).
+    pub batch_size: Gauge,
+    /// Jobs waiting in the engine's queue.
+    pub queued: Gauge,
+    /// Jobs cancelled because their client went away (queued, prefilling or decoding).
+    pub cancelled: Counter,
 }
 
 fn label(k: &str, v: &str) -> Labels {
@@ -65,6 +71,9 @@ impl Metrics {
             sessions_held: Gauge::default(),
             session_bytes: Gauge::default(),
             sessions_evicted: Counter::default(),
+            batch_size: Gauge::default(),
+            queued: Gauge::default(),
+            cancelled: Counter::default(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|e| e.into_inner());
@@ -90,6 +99,9 @@ impl Metrics {
             r.register("sessions_held", "Session states held for prefix reuse", m.sessions_held.clone());
             r.register("session_state_bytes", "Bytes of held session state", m.session_bytes.clone());
             r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
+            r.register("decode_batch_size", "Requests decoding together in the last decode step", m.batch_size.clone());
+            r.register("queued_requests", "Requests waiting for the engine", m.queued.clone());
+            r.register("cancelled_requests", "Requests cancelled because their client went away", m.cancelled.clone());
         }
         // Make the label sets visible from the start.
         for w in ["local", "remote"] {

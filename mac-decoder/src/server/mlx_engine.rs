@@ -22,6 +22,9 @@ use crate::decode::{Engine, EngineOptions, ImageEmbeds};
 use crate::remote::{Conversation, RemoteOptions, RemotePrefiller, Route};
 use crate::vision::{self, MediaProcConfig, MlxVisionEncoder, NormEps, PreprocessedImage, VisionEncoder};
 
+/// Sessions decoded together by default (`k3-decode serve --max-batch`).
+pub const DEFAULT_MAX_BATCH: usize = 8;
+
 /// The tensor whose presence says the checkpoint has a vision tower.
 const VISION_PROBE: &str = "vision_tower.patch_embed.proj.weight";
 
@@ -34,6 +37,8 @@ pub struct MlxEngine {
     /// Loaded on the first image.
     vision: Option<MlxVisionEncoder>,
     vision_eps: NormEps,
+    /// Sessions decoded together at most ([`GenerationEngine::max_batch`]).
+    max_batch: usize,
 }
 
 impl MlxEngine {
@@ -54,7 +59,7 @@ impl MlxEngine {
             tracing::info!("the checkpoint has no vision tower: image inputs are refused");
             None
         };
-        Ok(MlxEngine { engine, max_context, dir: dir.to_path_buf(), remote: None, media, vision: None, vision_eps: NormEps::default() })
+        Ok(MlxEngine { engine, max_context, dir: dir.to_path_buf(), remote: None, media, vision: None, vision_eps: NormEps::default(), max_batch: DEFAULT_MAX_BATCH })
     }
 
     /// Routes prompts through a prefill node (see [`RemotePrefiller::new`]: pairing problems do
@@ -68,6 +73,12 @@ impl MlxEngine {
     pub fn with_remote_config(mut self, opts: RemoteOptions, cfg: NodeConfig) -> anyhow::Result<Self> {
         self.remote = Some(RemotePrefiller::with_node_config(&self.engine, opts, cfg)?);
         Ok(self)
+    }
+
+    /// Decode at most `n` sessions together (1: one after another, as before batching).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n.max(1);
+        self
     }
 
     /// The epsilon of the vision RMSNorms (default: the released model's BF16 one).
@@ -140,6 +151,18 @@ impl GenerationEngine for MlxEngine {
     }
     fn step(&mut self, s: &mut Conversation, token: u32) -> anyhow::Result<()> {
         s.step(&self.engine, token).map(|_| ())
+    }
+    fn step_batch(&mut self, sessions: &mut [&mut Conversation], tokens: &[u32]) -> anyhow::Result<()> {
+        Conversation::step_batch(&self.engine, sessions, tokens)
+    }
+    fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+    fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
+        if let Some(r) = self.remote.as_mut() {
+            r.set_cancel(flag.clone());
+        }
+        self.engine.set_cancel(flag);
     }
     fn logits<'a>(&self, s: &'a Conversation) -> Option<&'a [f32]> {
         s.last_logits()

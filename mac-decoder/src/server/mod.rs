@@ -47,7 +47,7 @@ use metrics::Metrics;
 use sessions::MediaKey;
 use stop::StopStrings;
 use crate::generate;
-use worker::{EngineHandle, GenEvent, GenJob, JobImage};
+use worker::{EngineHandle, GenEvent, GenJob, JobEvents, JobImage};
 
 /// Largest request body: a data-URL image of [`api::MAX_IMAGE_BYTES`] is 4/3 of it in base64.
 pub const MAX_BODY_BYTES: usize = api::MAX_IMAGE_BYTES / 3 * 4 + (8 << 20);
@@ -222,7 +222,7 @@ fn start(
     gen: &GenSettings,
     default_max: usize,
     constraint: Option<Box<dyn TokenConstraint + Send>>,
-) -> Result<(mpsc::UnboundedReceiver<GenEvent>, usize), ApiError> {
+) -> Result<(JobEvents, usize), ApiError> {
     let ctx = st.engine.max_context;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
@@ -246,7 +246,6 @@ fn start(
         Some(m) => m,
         None => default_max.min(room),
     };
-    let (tx, rx) = mpsc::unbounded_channel();
     let mut stop_ids = vec![];
     if let Some(i) = st.tokenizer.special_id(crate::tokenizer::names::END_OF_MSG) {
         stop_ids.push(i);
@@ -254,8 +253,9 @@ fn start(
     if let Some(i) = st.tokenizer.special_id(crate::tokenizer::names::EOS) {
         stop_ids.push(i);
     }
-    st.engine
-        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs, events: tx })
+    let rx = st
+        .engine
+        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs })
         .map_err(ApiError::unavailable)?;
     Ok((rx, max_tokens))
 }
@@ -542,7 +542,7 @@ async fn chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<
 
 async fn chat_whole(
     st: Arc<AppState>,
-    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut rx: JobEvents,
     mut run: ChatRun,
     id: String,
     model: String,
@@ -640,7 +640,7 @@ fn sse(v: &Value) -> Result<Event, Infallible> {
 
 async fn chat_stream(
     st: Arc<AppState>,
-    mut rx: mpsc::UnboundedReceiver<GenEvent>,
+    mut rx: JobEvents,
     mut run: ChatRun,
     id: String,
     model: String,
@@ -657,7 +657,10 @@ async fn chat_stream(
     tokio::spawn(async move {
         let _ = tx.send(sse(&chunk(json!({"role": "assistant", "content": ""}), None)));
         let mut finish = None;
-        while let Some(ev) = rx.recv().await {
+        loop {
+            // a client that leaves ends the loop at once (dropping rx cancels the job)
+            let Ok(ev) = rx.recv_for(&tx).await else { return };
+            let Some(ev) = ev else { break };
             match run.on(ev) {
                 Ok(Some(ChatStep::Events(evs))) => {
                     if !send_events(&tx, &chunk, evs, &mut run.logprobs) {
@@ -835,7 +838,9 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             }
             c
         };
-        while let Some(ev) = rx.recv().await {
+        loop {
+            let Ok(ev) = rx.recv_for(&tx).await else { return }; // client gone: cancels the job
+            let Some(ev) = ev else { break };
             match step(&mut run, ev) {
                 Ok((s, f)) => {
                     if !s.is_empty() {

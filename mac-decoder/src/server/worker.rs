@@ -1,9 +1,18 @@
-//! The engine thread: owns the [`GenerationEngine`] and the [`SessionStore`], runs one
-//! generation job at a time (prefix reuse, prefill, checkpoint, the decode loop of
-//! [`crate::generate`]) and streams
-//! token ids back to the HTTP handler over a channel. A handler that goes away (client gone,
-//! stop string matched) drops its receiver, which cancels the job at the next token.
+//! The engine thread: owns the [`GenerationEngine`] and the [`SessionStore`] and runs the
+//! admitted jobs together (continuous batching): a new job gets its prompt ready (prefix reuse,
+//! prefill, checkpoint) between decode steps, then joins the running ones, and each step of the
+//! decode loop ([`crate::generate::decode_step`]) samples every running job's next token and
+//! feeds them all in one [`GenerationEngine::step_batch`]. At most
+//! [`GenerationEngine::max_batch`] jobs decode at once; the others wait in the queue (whose
+//! length the HTTP guard bounds: past its limit requests get 429 + `Retry-After`). Token ids
+//! stream back to the HTTP handler over a channel.
+//!
+//! Cancellation: a handler that goes away (client gone, stop string matched) drops its
+//! [`JobEvents`], which cancels the job — skipped if still queued, stopped between prefill
+//! chunks (or at the next event of a remote prefill), and at the next token when decoding; its
+//! slot frees at once.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -11,7 +20,7 @@ use super::engine::{GenerationEngine, PrefillReport};
 use super::metrics::Metrics;
 use super::engine::MediaSupport;
 use super::sessions::{MediaKey, SessionStore};
-use crate::generate::{Emitted, FinishReason, GenerateParams, TokenStep};
+use crate::generate::{BatchStep, Decoding, Emitted, FinishReason, GenerateParams};
 use crate::sampler::{SamplingParams, TokenConstraint};
 use crate::vision::PreprocessedImage;
 
@@ -50,7 +59,52 @@ pub struct GenJob {
     pub constraint: Option<Box<dyn TokenConstraint + Send>>,
     /// Report log-probabilities with this many alternatives per token.
     pub logprobs: Option<usize>,
-    pub events: mpsc::UnboundedSender<GenEvent>,
+}
+
+/// A job in the engine's queue, with its way back to the handler.
+struct Queued {
+    job: GenJob,
+    events: mpsc::UnboundedSender<GenEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Queued {
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed) || self.events.is_closed()
+    }
+}
+
+/// The handler's end of a job: the events the engine reports. Dropping it cancels the job.
+pub struct JobEvents {
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl JobEvents {
+    /// The next event; `None` when the engine dropped the job (it stopped).
+    pub async fn recv(&mut self) -> Option<GenEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event, or `Err(())` as soon as `out` (the client's stream) is closed: the
+    /// client is gone, and the caller drops `self`, cancelling the job.
+    pub async fn recv_for<T>(&mut self, out: &mpsc::UnboundedSender<T>) -> Result<Option<GenEvent>, ()> {
+        tokio::select! {
+            ev = self.rx.recv() => Ok(ev),
+            _ = out.closed() => Err(()),
+        }
+    }
+
+    /// Cancels the job (also done on drop).
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for JobEvents {
+    fn drop(&mut self) {
+        self.cancel();
+    }
 }
 
 /// What the engine thread reports about a job.
@@ -81,7 +135,7 @@ impl EngineHandle {
         E: GenerationEngine,
         F: FnOnce() -> anyhow::Result<E> + Send + 'static,
     {
-        let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<GenJob>();
+        let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<Queued>();
         type Ready = (usize, usize, Option<MediaSupport>);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<Ready>>();
         let thread = std::thread::Builder::new().name("k3-engine".into()).spawn(move || {
@@ -94,27 +148,54 @@ impl EngineHandle {
             };
             let _ = ready_tx.send(Ok((engine.vocab_size(), engine.max_context(), engine.media())));
             let mut worker = Worker { store: SessionStore::new(store.max_sessions, store.max_bytes), checkpoints: store.checkpoints, metrics };
-            while let Some(job) = jobs_rx.blocking_recv() {
-                worker.run(&mut engine, job);
+            let mut running: Vec<Running<E::Session>> = Vec::new();
+            let mut open = true;
+            loop {
+                // admit: wait for work when idle, else take what is queued up to the batch limit
+                if running.is_empty() {
+                    match jobs_rx.blocking_recv() {
+                        Some(q) => worker.admit(&mut engine, q, &mut running),
+                        None => break,
+                    }
+                }
+                while open && running.len() < engine.max_batch().max(1) {
+                    match jobs_rx.try_recv() {
+                        Ok(q) => worker.admit(&mut engine, q, &mut running),
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => open = false,
+                    }
+                }
+                worker.metrics.queued.set(jobs_rx.len() as i64);
+                if running.is_empty() {
+                    if open {
+                        continue;
+                    }
+                    break;
+                }
+                worker.step(&mut engine, &mut running);
             }
         })?;
         let (vocab_size, max_context, media) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
         Ok(EngineHandle { engine: Arc::new(EngineThread { jobs: Some(jobs_tx), thread: Some(thread) }), vocab_size, max_context, media })
     }
 
-    /// Queues a job.
-    pub fn submit(&self, job: GenJob) -> Result<(), String> {
+    /// Queues a job; its events come back through the returned [`JobEvents`] (drop it to
+    /// cancel the job).
+    pub fn submit(&self, job: GenJob) -> Result<JobEvents, String> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
         match &self.engine.jobs {
-            Some(jobs) => jobs.send(job).map_err(|_| "the engine thread has stopped".to_string()),
-            None => Err("the engine is shutting down".to_string()),
+            Some(jobs) => jobs.send(Queued { job, events, cancel: cancel.clone() }).map_err(|_| "the engine thread has stopped".to_string())?,
+            None => return Err("the engine is shutting down".to_string()),
         }
+        Ok(JobEvents { rx, cancel })
     }
 }
 
 /// The engine thread and its queue, shared by the clones of an [`EngineHandle`].
 struct EngineThread {
     /// `None` only while dropping (closing the queue ends the engine thread).
-    jobs: Option<mpsc::UnboundedSender<GenJob>>,
+    jobs: Option<mpsc::UnboundedSender<Queued>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -140,15 +221,45 @@ struct Worker<S> {
     metrics: Arc<Metrics>,
 }
 
+/// A job decoding: its session, its place in the decode loop, and its way back.
+struct Running<S> {
+    session: S,
+    dec: Decoding<'static>,
+    events: mpsc::UnboundedSender<GenEvent>,
+    cancel: Arc<AtomicBool>,
+    prompt: Vec<u32>,
+    media: Vec<MediaKey>,
+}
+
 impl<S: 'static> Worker<S> {
-    fn run<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) {
-        let events = job.events.clone();
-        if let Err(e) = self.generate(engine, job) {
-            tracing::error!(error = %format!("{e:#}"), "generation failed");
-            let _ = events.send(GenEvent::Error(format!("{e:#}")));
-        }
+    fn gauges(&self) {
         self.metrics.sessions_held.set(self.store.len() as i64);
         self.metrics.session_bytes.set(self.store.total_bytes() as i64);
+    }
+
+    /// Gets a queued job's prompt ready and adds it to `running` (or reports why it cannot run).
+    fn admit<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, q: Queued, running: &mut Vec<Running<S>>) {
+        if q.cancelled() {
+            self.metrics.cancelled.inc();
+            tracing::debug!("a queued request was cancelled before it started");
+            return;
+        }
+        let (events, cancel) = (q.events.clone(), q.cancel.clone());
+        engine.set_cancel(Some(cancel.clone()));
+        let r = self.start(engine, q);
+        engine.set_cancel(None);
+        match r {
+            Ok(run) => running.push(run),
+            Err(e) if cancel.load(Ordering::Relaxed) || events.is_closed() => {
+                self.metrics.cancelled.inc();
+                tracing::info!(error = %format!("{e:#}"), "a request was cancelled while its prompt was prefilled");
+            }
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "generation failed");
+                let _ = events.send(GenEvent::Error(format!("{e:#}")));
+            }
+        }
+        self.gauges();
     }
 
     /// Finds the best held state for the prompt and brings it to the end of the prompt.
@@ -187,11 +298,13 @@ impl<S: 'static> Worker<S> {
         Ok((session, 0, report))
     }
 
-    fn generate<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, job: GenJob) -> anyhow::Result<()> {
+    /// Prepares the prompt's state, checkpoints it, and sets up the decode.
+    fn start<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, q: Queued) -> anyhow::Result<Running<S>> {
+        let Queued { job, events, cancel } = q;
         anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
         job.sampling.validate().map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
         let media: Vec<MediaKey> = job.images.iter().map(|i| i.key.clone()).collect();
-        let (mut session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
+        let (session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
         drop(job.images);
         self.metrics.reused_tokens.inc_by(reused as u64);
         if report.tokens > 0 {
@@ -214,7 +327,7 @@ impl<S: 'static> Worker<S> {
             reason = %report.reason,
             "prompt ready"
         );
-        let _ = job.events.send(GenEvent::Prefilled { reused_tokens: reused, report });
+        let _ = events.send(GenEvent::Prefilled { reused_tokens: reused, report });
         if self.checkpoints {
             match engine.fork(&session) {
                 Ok(copy) => {
@@ -225,51 +338,108 @@ impl<S: 'static> Worker<S> {
                 Err(e) => tracing::warn!(error = %e, "could not checkpoint the session"),
             }
         }
-
         let params = GenerateParams {
             max_new_tokens: job.max_tokens.min(engine.max_context().saturating_sub(job.prompt.len())),
             sampling: job.sampling,
             stop_tokens: job.stop_ids,
             logprobs: job.logprobs,
         };
-        let events = job.events.clone();
-        let mut constraint = job.constraint;
-        let out = crate::generate::generate_constrained(
-            &mut EngineSession { engine, session: &mut session },
-            &params,
-            constraint.as_deref_mut().map(|c| c as &mut dyn TokenConstraint),
-            |e| events.send(GenEvent::Token(e.clone())).is_ok(),
-        )?;
+        let constraint = job.constraint.map(|c| c as Box<dyn TokenConstraint>);
+        let dec = Decoding::new(params, constraint)?;
+        Ok(Running { session, dec, events, cancel, prompt: job.prompt, media })
+    }
+
+    /// One step of the decode loop over every running job; the jobs that end leave `running`.
+    fn step<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, running: &mut Vec<Running<S>>) {
+        let n = running.len();
+        self.metrics.batch_size.set(n as i64);
+        let mut sessions: Vec<&mut S> = Vec::with_capacity(n);
+        let mut decs: Vec<&mut Decoding<'static>> = Vec::with_capacity(n);
+        let mut outs: Vec<(&mpsc::UnboundedSender<GenEvent>, &AtomicBool)> = Vec::with_capacity(n);
+        for r in running.iter_mut() {
+            sessions.push(&mut r.session);
+            decs.push(&mut r.dec);
+            outs.push((&r.events, &r.cancel));
+        }
+        let mut batch = EngineBatch { engine: &mut *engine, sessions };
+        let fed = crate::generate::decode_step(&mut batch, &mut decs, |i, e| {
+            let (events, cancel) = outs[i];
+            !cancel.load(Ordering::Relaxed) && events.send(GenEvent::Token(e.clone())).is_ok()
+        });
+        drop(decs);
+        drop(outs);
+        if let Err(e) = fed {
+            // the shared step failed: every job of the batch ends with the error
+            tracing::error!(error = %format!("{e:#}"), batch = n, "decode step failed");
+            for r in running.drain(..) {
+                let _ = r.events.send(GenEvent::Error(format!("{e:#}")));
+            }
+            self.gauges();
+            return;
+        }
+        let mut i = 0;
+        while i < running.len() {
+            if running[i].dec.done() {
+                let r = running.swap_remove(i);
+                self.finish(engine, r);
+            } else {
+                i += 1;
+            }
+        }
+        self.gauges();
+    }
+
+    /// A job's decode ended: metrics, the session back to the store, the last event.
+    fn finish<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, r: Running<S>) {
+        let Running { session, dec, events, prompt, media, .. } = r;
+        let out = match dec.into_output() {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "generation failed");
+                let _ = events.send(GenEvent::Error(format!("{e:#}")));
+                return;
+            }
+        };
         self.metrics.constraint_mask_seconds.inc_by(out.mask_time.as_secs_f64());
         let (generated, finish) = (out.tokens, out.finish);
         let decode_seconds = out.decode_time.as_secs_f64();
+        if finish == FinishReason::Cancelled {
+            self.metrics.cancelled.inc();
+        }
         self.metrics.generated_tokens.inc_by(generated.len() as u64);
         self.metrics.decode_seconds.inc_by(decode_seconds);
         if !generated.is_empty() && decode_seconds > 0.0 {
             self.metrics.decode_tokens_per_second.set(generated.len() as f64 / decode_seconds);
         }
         let n = generated.len();
-        let mut tokens = job.prompt;
+        let mut tokens = prompt;
         tokens.extend(generated);
         let bytes = engine.session_bytes(&session);
         let ev = self.store.insert(tokens, media, session, bytes, false);
         self.metrics.sessions_evicted.inc_by(ev as u64);
-        let _ = job.events.send(GenEvent::Done { finish, generated: n, decode_seconds });
-        Ok(())
+        let _ = events.send(GenEvent::Done { finish, generated: n, decode_seconds });
     }
 }
 
-/// A session of a [`GenerationEngine`], as the decode loop drives it.
-struct EngineSession<'a, E: GenerationEngine> {
+/// The running sessions of a [`GenerationEngine`], as the decode loop drives them.
+struct EngineBatch<'a, E: GenerationEngine> {
     engine: &'a mut E,
-    session: &'a mut E::Session,
+    sessions: Vec<&'a mut E::Session>,
 }
 
-impl<E: GenerationEngine> TokenStep for EngineSession<'_, E> {
-    fn next_logits(&self) -> Option<&[f32]> {
-        self.engine.logits(self.session)
+impl<E: GenerationEngine> BatchStep for EngineBatch<'_, E> {
+    fn next_logits(&self, i: usize) -> Option<&[f32]> {
+        self.engine.logits(self.sessions[i])
     }
-    fn feed(&mut self, token: u32) -> anyhow::Result<()> {
-        self.engine.step(self.session, token)
+    fn feed(&mut self, seqs: &[usize], tokens: &[u32]) -> anyhow::Result<()> {
+        let mut picked: Vec<&mut E::Session> = Vec::with_capacity(seqs.len());
+        let mut want = seqs.iter().peekable();
+        for (i, s) in self.sessions.iter_mut().enumerate() {
+            if want.peek() == Some(&&i) {
+                want.next();
+                picked.push(&mut **s);
+            }
+        }
+        self.engine.step_batch(&mut picked, tokens)
     }
 }

@@ -1,0 +1,188 @@
+//! Concurrent requests on the engine thread (issues 18 and 21): admitted requests decode
+//! together (continuous batching; the fake engine's batched step costs one step, as a batched
+//! pass over the weights does), each reply equal to the one it gets alone; and a client that
+//! leaves — streamed or not, while its request is queued, prefilling or decoding — cancels
+//! its job, whose slot frees at once.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mac_decoder::server::engine::FakeEngine;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+const VOCAB: usize = 1024;
+const CONTEXT: usize = 6000;
+
+struct Server {
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+/// A server on a fake engine that replies with ordinary ids derived from the whole history
+/// (never a stop id: replies run to `max_tokens`).
+async fn start(step_delay: Duration, prefill_delay_per_token: Duration) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
+    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::spawn(
+        move || {
+            let mut e = FakeEngine::new(VOCAB, CONTEXT, vec![], 1, |_: &[u32]| vec![]);
+            e.step_delay = step_delay;
+            e.prefill_delay_per_token = prefill_delay_per_token;
+            Ok(e)
+        },
+        StoreOptions { max_sessions: 16, max_bytes: 1 << 30, checkpoints: false },
+        metrics.clone(),
+    )
+    .unwrap();
+    let state = Arc::new(AppState::new(engine, tok, metrics, "synth".into(), None));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    Server { addr, _dir: dir }
+}
+
+fn url(s: &Server) -> String {
+    format!("http://{}/v1/completions", s.addr)
+}
+
+async fn metric(s: &Server, name: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", s.addr)).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|v| v.parse().unwrap())
+        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+}
+
+/// Waits (up to `within`) until `name` reaches `at_least`; the time it took.
+async fn wait_metric(s: &Server, name: &str, at_least: f64, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let v = metric(s, name).await;
+        if v >= at_least {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "{name} is {v} after {:.1} s, expected >= {at_least}", within.as_secs_f64());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn complete(client: &reqwest::Client, s: &Server, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": true, "temperature": 0});
+    let r = client.post(url(s)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_requests_decode_together_and_each_gets_its_own_reply() {
+    // 30 steps of 20 ms: ~0.6 s alone; four one after another would take ~2.4 s.
+    let s = start(Duration::from_millis(20), Duration::ZERO).await;
+    let client = reqwest::Client::new();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| (0..(3 + 5 * i)).map(|j| 100 + (j * 7 + i) % 50).collect()).collect();
+    let t0 = Instant::now();
+    let alone = complete(&client, &s, &prompts[0], 30).await;
+    let one = t0.elapsed().as_secs_f64();
+    let mut want = vec![alone];
+    for p in &prompts[1..] {
+        want.push(complete(&client, &s, p, 30).await);
+    }
+    let t0 = Instant::now();
+    let got = futures_util::future::join_all(prompts.iter().map(|p| complete(&client, &s, p, 30))).await;
+    let four = t0.elapsed().as_secs_f64();
+    assert_eq!(got, want, "a reply decoded in a batch differs from the same request alone");
+    assert!(want.iter().all(|w| w.len() == 30));
+    eprintln!("one request {one:.2} s, four in parallel {four:.2} s");
+    assert!(four < 2.0 * one, "four parallel requests took {four:.2} s, one alone {one:.2} s: they did not decode together");
+    assert!(metric(&s, "k3_decode_batch_size").await >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_streaming_client_that_leaves_stops_its_decode() {
+    let s = start(Duration::from_millis(5), Duration::ZERO).await;
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": [100, 101, 102], "max_tokens": 4000, "stream": true});
+    let mut r = client.post(url(&s)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let first = r.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    drop(r); // the client goes away
+    let took = wait_metric(&s, "k3_cancelled_requests_total", 1.0, Duration::from_secs(5)).await;
+    let generated = metric(&s, "k3_generated_tokens_total").await;
+    eprintln!("cancelled {:.0} ms after the client left, {generated} tokens generated", took.as_secs_f64() * 1e3);
+    assert!(generated < 1000.0, "{generated} tokens generated for a client that left after the first chunk");
+    // the slot is free: a new request is served at once
+    let t0 = Instant::now();
+    assert_eq!(complete(&client, &s, &[100, 101], 3).await.len(), 3);
+    assert!(t0.elapsed() < Duration::from_secs(2));
+}
+
+/// Sends a non-streamed completion over a raw socket, waits `wait`, then closes the socket.
+fn send_and_leave(addr: std::net::SocketAddr, body: &Value, wait: Duration) {
+    let body = body.to_string();
+    let mut sock = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(wait);
+    sock.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 64];
+    assert!(sock.read(&mut buf).is_err(), "the server answered before the client left");
+    drop(sock);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_non_streamed_client_that_leaves_stops_its_decode() {
+    let s = start(Duration::from_millis(5), Duration::ZERO).await;
+    let addr = s.addr;
+    tokio::task::spawn_blocking(move || send_and_leave(addr, &json!({"prompt": [100, 101, 102], "max_tokens": 4000}), Duration::from_millis(300)))
+        .await
+        .unwrap();
+    let took = wait_metric(&s, "k3_cancelled_requests_total", 1.0, Duration::from_secs(5)).await;
+    let generated = metric(&s, "k3_generated_tokens_total").await;
+    eprintln!("cancelled {:.0} ms after the client left, {generated} tokens generated", took.as_secs_f64() * 1e3);
+    assert!(generated < 1000.0, "{generated} tokens generated for a client that left after 0.3 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_leave_during_a_prefill_or_in_the_queue_cost_nothing_more() {
+    // A 2000-token prompt prefills for ~2 s (1 ms a token).
+    let s = start(Duration::from_millis(1), Duration::from_millis(1)).await;
+    let addr = s.addr;
+    let long: Vec<u32> = (0..2000).map(|i| 100 + i % 300).collect();
+    // the first client leaves 0.3 s into its prefill; a second one queued behind it leaves too
+    let a = tokio::task::spawn_blocking({
+        let body = json!({"prompt": long, "max_tokens": 5});
+        move || send_and_leave(addr, &body, Duration::from_millis(300))
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = tokio::task::spawn_blocking({
+        let body = json!({"prompt": (0..1500).map(|i| 200 + i % 300).collect::<Vec<u32>>(), "max_tokens": 5});
+        move || send_and_leave(addr, &body, Duration::from_millis(100))
+    });
+    a.await.unwrap();
+    b.await.unwrap();
+    let took = wait_metric(&s, "k3_cancelled_requests_total", 2.0, Duration::from_secs(5)).await;
+    eprintln!("both cancelled {:.0} ms after the first client left", took.as_secs_f64() * 1e3);
+    assert!(took < Duration::from_millis(1500), "the abandoned prefill ran on for {:.1} s", took.as_secs_f64());
+    assert_eq!(metric(&s, "k3_prefill_tokens_total{where=\"local\"}").await, 0.0, "an abandoned prompt was prefilled");
+    assert_eq!(metric(&s, "k3_generated_tokens_total").await, 0.0);
+    // the engine is free again
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    assert_eq!(complete(&client, &s, &[100, 101], 3).await.len(), 3);
+    assert!(t0.elapsed() < Duration::from_secs(1));
+}
