@@ -220,25 +220,18 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: Args,
-    }
+    use crate::cli::parse_args;
 
     /// Issue 21: an `--insecure-dev` node accepted `--metrics-listen 0.0.0.0`.
     #[test]
     fn insecure_dev_refuses_metrics_off_loopback() {
         let dir = tempfile::tempdir().unwrap();
         let parse = |metrics: &str| {
-            Cli::try_parse_from([
+            parse_args::<Args>(&[
                 "serve", "--model", "m", "--listen", "127.0.0.1:0", "--insecure-dev", "--metrics-listen", metrics,
                 "--config-dir", dir.path().to_str().unwrap(),
             ])
             .unwrap()
-            .args
         };
         let e = peer_auth(&parse("0.0.0.0:9100")).err().expect("refused").to_string();
         assert!(e.contains("--metrics-listen 0.0.0.0:9100") && e.contains("loopback"), "{e}");

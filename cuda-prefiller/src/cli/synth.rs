@@ -239,13 +239,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: Args,
-    }
+    use crate::cli::parse_args;
 
     #[test]
     fn sizes_parse() {
@@ -260,35 +254,35 @@ mod tests {
 
     #[test]
     fn flags_reach_the_options() {
-        let cli = Cli::try_parse_from([
+        let args = parse_args::<Args>(&[
             "synth", "--preset", "small", "--seed", "9", "--out", "/tmp/x", "--layers", "6", "--experts", "4",
             "--hidden", "256", "--vocab", "4096", "--full-attn-layers", "3,6", "--max-shard-size", "64MiB",
         ])
         .unwrap();
-        let o = cli.args.options();
+        let o = args.options();
         assert_eq!((o.preset, o.seed, o.max_shard_bytes), (Preset::Small, 9, 64 << 20));
         let cfg = o.config().unwrap();
         assert_eq!(cfg.text_config.num_hidden_layers, 6);
         assert_eq!(cfg.text_config.linear_attn_config.full_attn_layers, vec![3, 6]);
         assert_eq!(cfg.text_config.linear_attn_config.kda_layers, vec![1, 2, 4, 5]);
         assert_eq!((cfg.text_config.num_experts, cfg.text_config.hidden_size, cfg.text_config.vocab_size), (4, 256, 4096));
-        assert!(Cli::try_parse_from(["synth", "--preset", "huge", "--out", "x"]).is_err());
-        assert!(Cli::try_parse_from(["synth"]).is_err(), "--out is required unless --plan-only");
-        assert!(Cli::try_parse_from(["synth", "--plan-only", "--preset", "k3"]).is_ok());
+        assert!(parse_args::<Args>(&["synth", "--preset", "huge", "--out", "x"]).is_err());
+        assert!(parse_args::<Args>(&["synth"]).is_err(), "--out is required unless --plan-only");
+        assert!(parse_args::<Args>(&["synth", "--plan-only", "--preset", "k3"]).is_ok());
     }
 
     #[test]
     fn writes_a_loadable_tiny_model() {
         let d = tempfile::tempdir().unwrap();
         let out = d.path().join("m");
-        let cli = Cli::try_parse_from(["synth", "--out", out.to_str().unwrap(), "--no-progress", "--layers", "5"]).unwrap();
-        run(cli.args).unwrap();
+        let args = parse_args::<Args>(&["synth", "--out", out.to_str().unwrap(), "--no-progress", "--layers", "5"]).unwrap();
+        run(args).unwrap();
         let ck = Checkpoint::open(&out).unwrap();
         assert_eq!(ck.config().text_config.num_hidden_layers, 5);
         assert!(out.join("tiktoken.model").exists() && out.join("tokenizer_config.json").exists());
         let cfg_only = d.path().join("c");
-        let cli = Cli::try_parse_from(["synth", "--preset", "k3", "--config-only", "--out", cfg_only.to_str().unwrap()]).unwrap();
-        run(cli.args).unwrap();
+        let args = parse_args::<Args>(&["synth", "--preset", "k3", "--config-only", "--out", cfg_only.to_str().unwrap()]).unwrap();
+        run(args).unwrap();
         assert!(cfg_only.join("config.json").exists());
         assert!(!cfg_only.join("model.safetensors.index.json").exists());
     }

@@ -84,51 +84,56 @@ fn scatter(out: &mut [f32], state: &mut [f32], results: Vec<(Vec<f64>, Vec<f64>)
 /// `state` is read as the initial state and overwritten with the final one. Returns `o`.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize) -> Vec<f32> {
-    let rows = check(q, k, v, g, beta, state, heads, d);
-    let init: &[f32] = state;
-    let results: Vec<(Vec<f64>, Vec<f64>)> = (0..heads)
-        .into_par_iter()
-        .map(|h| {
-            let x = head_inputs(q, k, v, g, beta, heads, d, h);
-            let mut s: Vec<f64> = init[h * d * d..(h + 1) * d * d].iter().map(|&a| a as f64).collect();
-            let mut o = vec![0.0f64; rows * d];
-            let mut kv = vec![0.0f64; d];
-            for t in 0..rows {
-                let (qt, kt, vt, gt) = (&x.q[t * d..(t + 1) * d], &x.k[t * d..(t + 1) * d], &x.v[t * d..(t + 1) * d], &x.g[t * d..(t + 1) * d]);
-                kv.iter_mut().for_each(|a| *a = 0.0);
-                for i in 0..d {
-                    let a = gt[i].exp();
-                    let row = &mut s[i * d..(i + 1) * d];
-                    for (sv, kvj) in row.iter_mut().zip(kv.iter_mut()) {
-                        *sv *= a;
-                        *kvj += kt[i] * *sv;
-                    }
-                }
-                let b = x.beta[t];
-                let u: Vec<f64> = (0..d).map(|j| b * (vt[j] - kv[j])).collect();
-                let ot = &mut o[t * d..(t + 1) * d];
-                for i in 0..d {
-                    let row = &mut s[i * d..(i + 1) * d];
-                    for j in 0..d {
-                        row[j] += kt[i] * u[j];
-                        ot[j] += qt[i] * row[j];
-                    }
+    per_head(q, k, v, g, beta, state, heads, d, |x, rows, s, o| {
+        let mut kv = vec![0.0f64; d];
+        for t in 0..rows {
+            let (qt, kt, vt, gt) = (&x.q[t * d..(t + 1) * d], &x.k[t * d..(t + 1) * d], &x.v[t * d..(t + 1) * d], &x.g[t * d..(t + 1) * d]);
+            kv.iter_mut().for_each(|a| *a = 0.0);
+            for i in 0..d {
+                let a = gt[i].exp();
+                let row = &mut s[i * d..(i + 1) * d];
+                for (sv, kvj) in row.iter_mut().zip(kv.iter_mut()) {
+                    *sv *= a;
+                    *kvj += kt[i] * *sv;
                 }
             }
-            (o, s)
-        })
-        .collect();
-    let mut out = vec![0.0f32; rows * heads * d];
-    scatter(&mut out, state, results, heads, d);
-    out
+            let b = x.beta[t];
+            let u: Vec<f64> = (0..d).map(|j| b * (vt[j] - kv[j])).collect();
+            let ot = &mut o[t * d..(t + 1) * d];
+            for i in 0..d {
+                let row = &mut s[i * d..(i + 1) * d];
+                for j in 0..d {
+                    row[j] += kt[i] * u[j];
+                    ot[j] += qt[i] * row[j];
+                }
+            }
+        }
+    })
 }
 
 /// The chunked (parallel) form of the same recurrence (spec §3.4), chunk length `chunk`;
 /// the last chunk may be partial. Equal to [`kda_recurrent`] up to rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize, chunk: usize) -> Vec<f32> {
-    let rows = check(q, k, v, g, beta, state, heads, d);
     let chunk = chunk.max(1);
+    per_head(q, k, v, g, beta, state, heads, d, |x, rows, s, o| {
+        let mut c0 = 0;
+        while c0 < rows {
+            let n = chunk.min(rows - c0);
+            chunk_step(x, c0, n, d, s, &mut o[c0 * d..(c0 + n) * d]);
+            c0 += n;
+        }
+    })
+}
+
+/// Runs `head(inputs, rows, state, out)` for every head in parallel, in f64, from the initial
+/// `state`, and writes the outputs `[rows, H·D]` and the final states back.
+#[allow(clippy::too_many_arguments)]
+fn per_head<F>(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize, head: F) -> Vec<f32>
+where
+    F: Fn(&HeadInputs, usize, &mut [f64], &mut [f64]) + Sync,
+{
+    let rows = check(q, k, v, g, beta, state, heads, d);
     let init: &[f32] = state;
     let results: Vec<(Vec<f64>, Vec<f64>)> = (0..heads)
         .into_par_iter()
@@ -136,12 +141,7 @@ pub fn kda_chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], sta
             let x = head_inputs(q, k, v, g, beta, heads, d, h);
             let mut s: Vec<f64> = init[h * d * d..(h + 1) * d * d].iter().map(|&a| a as f64).collect();
             let mut o = vec![0.0f64; rows * d];
-            let mut c0 = 0;
-            while c0 < rows {
-                let n = chunk.min(rows - c0);
-                chunk_step(&x, c0, n, d, &mut s, &mut o[c0 * d..(c0 + n) * d]);
-                c0 += n;
-            }
+            head(&x, rows, &mut s, &mut o);
             (o, s)
         })
         .collect();

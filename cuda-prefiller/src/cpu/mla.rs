@@ -42,30 +42,40 @@ pub fn mla_attention_expanded(q: &[f32], cache: &[f32], kv_b: &[f32], dm: MlaDim
     let kvw = dm.nope + dm.v;
     let kv = gemm(&ckv, ctx, dm.kv_lora, kv_b, dm.heads * kvw); // [ctx, H·(nope+v)]
     let scale = dm.scale() as f64;
+    per_query_head(q, rows, dm, pos0, |h, qn, qp, sc, oh| {
+        for (s, x) in sc.iter_mut().enumerate() {
+            let kn = &kv[s * dm.heads * kvw + h * kvw..s * dm.heads * kvw + h * kvw + dm.nope];
+            let kp = &cache[s * lw + dm.kv_lora..(s + 1) * lw];
+            *x = (dot(qn, kn) as f64 + dot(qp, kp) as f64) * scale;
+        }
+        softmax_in_place(sc);
+        let mut acc = vec![0.0f64; dm.v];
+        for (s, &a) in sc.iter().enumerate() {
+            let vh = &kv[s * dm.heads * kvw + h * kvw + dm.nope..s * dm.heads * kvw + (h + 1) * kvw];
+            for (acc, &x) in acc.iter_mut().zip(vh) {
+                *acc += a * x as f64;
+            }
+        }
+        for (o, a) in oh.iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    })
+}
+
+/// Runs `head(h, q_nope, q_pe, scores, out_h)` for every query row (in parallel) and head:
+/// `scores` has one slot per visible cache row (`pos0 + i + 1` for row `i`), `out_h` is the
+/// head's `[v]` slice of the output `[rows, H·v]`.
+fn per_query_head<F>(q: &[f32], rows: usize, dm: MlaDims, pos0: usize, head: F) -> Vec<f32>
+where
+    F: Fn(usize, &[f32], &[f32], &mut [f64], &mut [f32]) + Sync,
+{
     let mut out = vec![0.0f32; rows * dm.heads * dm.v];
     out.par_chunks_mut(dm.heads * dm.v).enumerate().for_each(|(i, orow)| {
-        let p = pos0 + i;
-        let mut sc = vec![0.0f64; p + 1];
+        let mut sc = vec![0.0f64; pos0 + i + 1];
         for h in 0..dm.heads {
             let qh = &q[(i * dm.heads + h) * dm.qk()..(i * dm.heads + h + 1) * dm.qk()];
             let (qn, qp) = qh.split_at(dm.nope);
-            for (s, x) in sc.iter_mut().enumerate() {
-                let kn = &kv[s * dm.heads * kvw + h * kvw..s * dm.heads * kvw + h * kvw + dm.nope];
-                let kp = &cache[s * lw + dm.kv_lora..(s + 1) * lw];
-                *x = (dot(qn, kn) as f64 + dot(qp, kp) as f64) * scale;
-            }
-            softmax_in_place(&mut sc);
-            let oh = &mut orow[h * dm.v..(h + 1) * dm.v];
-            let mut acc = vec![0.0f64; dm.v];
-            for (s, &a) in sc.iter().enumerate() {
-                let vh = &kv[s * dm.heads * kvw + h * kvw + dm.nope..s * dm.heads * kvw + (h + 1) * kvw];
-                for (acc, &x) in acc.iter_mut().zip(vh) {
-                    *acc += a * x as f64;
-                }
-            }
-            for (o, a) in oh.iter_mut().zip(acc) {
-                *o = a as f32;
-            }
+            head(h, qn, qp, &mut sc, &mut orow[h * dm.v..(h + 1) * dm.v]);
         }
     });
     out
@@ -79,39 +89,30 @@ pub fn mla_attention_absorbed(q: &[f32], cache: &[f32], kv_b: &[f32], dm: MlaDim
     let r = dm.kv_lora;
     let kvw = dm.nope + dm.v;
     let scale = dm.scale() as f64;
-    let mut out = vec![0.0f32; rows * dm.heads * dm.v];
-    out.par_chunks_mut(dm.heads * dm.v).enumerate().for_each(|(i, orow)| {
-        let p = pos0 + i;
-        let mut sc = vec![0.0f64; p + 1];
-        for h in 0..dm.heads {
-            let qh = &q[(i * dm.heads + h) * dm.qk()..(i * dm.heads + h + 1) * dm.qk()];
-            let (qn, qp) = qh.split_at(dm.nope);
-            // q̃ = Σ_n q_nope[n] · W_UK[n, :]
-            let mut qt = vec![0.0f64; r];
-            for (n, &qv) in qn.iter().enumerate() {
-                let wrow = &kv_b[(h * kvw + n) * r..(h * kvw + n + 1) * r];
-                for (a, &w) in qt.iter_mut().zip(wrow) {
-                    *a += qv as f64 * w as f64;
-                }
-            }
-            for (s, x) in sc.iter_mut().enumerate() {
-                let row = &cache[s * lw..(s + 1) * lw];
-                let c: f64 = qt.iter().zip(&row[..r]).map(|(a, &b)| a * b as f64).sum();
-                *x = (c + dot(qp, &row[r..]) as f64) * scale;
-            }
-            softmax_in_place(&mut sc);
-            let mut cbar = vec![0.0f64; r];
-            for (s, &a) in sc.iter().enumerate() {
-                for (acc, &x) in cbar.iter_mut().zip(&cache[s * lw..s * lw + r]) {
-                    *acc += a * x as f64;
-                }
-            }
-            let oh = &mut orow[h * dm.v..(h + 1) * dm.v];
-            for (j, o) in oh.iter_mut().enumerate() {
-                let wrow = &kv_b[(h * kvw + dm.nope + j) * r..(h * kvw + dm.nope + j + 1) * r];
-                *o = wrow.iter().zip(&cbar).map(|(&w, &c)| w as f64 * c).sum::<f64>() as f32;
+    per_query_head(q, rows, dm, pos0, |h, qn, qp, sc, oh| {
+        // q̃ = Σ_n q_nope[n] · W_UK[n, :]
+        let mut qt = vec![0.0f64; r];
+        for (n, &qv) in qn.iter().enumerate() {
+            let wrow = &kv_b[(h * kvw + n) * r..(h * kvw + n + 1) * r];
+            for (a, &w) in qt.iter_mut().zip(wrow) {
+                *a += qv as f64 * w as f64;
             }
         }
-    });
-    out
+        for (s, x) in sc.iter_mut().enumerate() {
+            let row = &cache[s * lw..(s + 1) * lw];
+            let c: f64 = qt.iter().zip(&row[..r]).map(|(a, &b)| a * b as f64).sum();
+            *x = (c + dot(qp, &row[r..]) as f64) * scale;
+        }
+        softmax_in_place(sc);
+        let mut cbar = vec![0.0f64; r];
+        for (s, &a) in sc.iter().enumerate() {
+            for (acc, &x) in cbar.iter_mut().zip(&cache[s * lw..s * lw + r]) {
+                *acc += a * x as f64;
+            }
+        }
+        for (j, o) in oh.iter_mut().enumerate() {
+            let wrow = &kv_b[(h * kvw + dm.nope + j) * r..(h * kvw + dm.nope + j + 1) * r];
+            *o = wrow.iter().zip(&cbar).map(|(&w, &c)| w as f64 * c).sum::<f64>() as f32;
+        }
+    })
 }

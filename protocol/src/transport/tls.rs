@@ -73,6 +73,24 @@ impl Pinning {
     }
 }
 
+/// The signature checks both pin verifiers share (the rustls client and server verifier traits
+/// declare the same three methods): TLS 1.3 only, the pinned key's schemes.
+macro_rules! pinned_signature_checks {
+    () => {
+        fn verify_tls12_signature(&self, _: &[u8], _: &CertificateDer<'_>, _: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+            Err(rustls::Error::General("TLS 1.2 is not accepted".into()))
+        }
+
+        fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.tls13(m, c, d)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.schemes()
+        }
+    };
+}
+
 #[derive(Debug)]
 struct ServerPinVerifier(Pinning);
 
@@ -88,17 +106,7 @@ impl ServerCertVerifier for ServerPinVerifier {
         self.0.check(end_entity).map(|_| ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(&self, _: &[u8], _: &CertificateDer<'_>, _: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2 is not accepted".into()))
-    }
-
-    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.tls13(m, c, d)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.schemes()
-    }
+    pinned_signature_checks!();
 }
 
 #[derive(Debug)]
@@ -117,17 +125,7 @@ impl ClientCertVerifier for ClientPinVerifier {
         true
     }
 
-    fn verify_tls12_signature(&self, _: &[u8], _: &CertificateDer<'_>, _: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.2 is not accepted".into()))
-    }
-
-    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.tls13(m, c, d)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.schemes()
-    }
+    pinned_signature_checks!();
 }
 
 fn tls_err(e: impl std::fmt::Display) -> TransferError {
