@@ -118,3 +118,27 @@ extern "C" __global__ void f32_to_bf16_2d4(const float* __restrict__ in, i64 ins
                 *(uint2*)(out + (i64)(r0 + k) * cols + c) = make_uint2(pack_bf16x2(v[k].x, v[k].y), pack_bf16x2(v[k].z, v[k].w));
     }
 }
+
+// Copies n bytes from src to dst on the SMs. Either side may be mapped page-locked host memory:
+// the compute stream's host <-> device transfers go this way, not through the copy engines, so
+// they never queue behind the weight streamer's copies on the copy stream (docs/cuda.md). 16-byte
+// units when both addresses allow, else 4-byte units, else bytes; then the tail.
+extern "C" __global__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, i64 n) {
+    i64 tid = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    unsigned long long a = (unsigned long long)src | (unsigned long long)dst;
+    i64 done = 0;
+    if ((a & 15) == 0) {
+        i64 n16 = n / 16;
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (i64 i = tid; i < n16; i += stride) d[i] = s[i];
+        done = n16 * 16;
+    } else if ((a & 3) == 0) {
+        i64 n4 = n / 4;
+        const unsigned int* s = (const unsigned int*)src;
+        unsigned int* d = (unsigned int*)dst;
+        for (i64 i = tid; i < n4; i += stride) d[i] = s[i];
+        done = n4 * 4;
+    }
+    for (i64 i = done + tid; i < n; i += stride) dst[i] = src[i];
+}

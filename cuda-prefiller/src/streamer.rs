@@ -285,10 +285,10 @@ pub fn read_rate(gpu: &Arc<Gpu>, source: &dyn WeightSource, ck: &Checkpoint, rea
     Ok((jobs.len() * piece) as f64 / 1e9 / t0.elapsed().as_secs_f64())
 }
 
-/// Largest single host-to-device copy the streamer issues. On the H200 this did not let the
-/// compute stream's own small uploads (state, routing ids) overtake a queued layer: the H2D
-/// engine ran them after every piece submitted before them (docs/cuda.md, run 3);
-/// [`WeightStreamer::set_copy_window`] bounds the pieces in flight (not yet measured).
+/// Largest single host-to-device copy the streamer issues. On the H200 neither this nor
+/// [`WeightStreamer::set_copy_window`] (pieces in flight) let the compute stream's own uploads
+/// overtake a queued layer on the copy engine (docs/cuda.md, session 4); since session 5 those
+/// uploads do not use a copy engine ([`crate::cuda::gpu::HostCopy`]).
 pub const COPY_PIECE: usize = 64 << 20;
 
 /// Timing of one [`WeightStreamer::upload`].

@@ -278,6 +278,8 @@ struct ModelRow {
     per_layer: Vec<crate::streamer::LayerStreamTime>,
     /// `K3_PROFILE=1`: GPU ms per step.
     profile: Vec<(String, f64)>,
+    /// `K3_PROFILE=1`: host time blocked on the GPU `(what, step, calls, ms, bytes)`.
+    host_blocked: Vec<(String, String, usize, f64, usize)>,
 }
 
 fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
@@ -336,6 +338,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             crate::cuda::profile::begin(&c.gpu, "-")?;
         }
         let profile = crate::cuda::profile::report()?.into_iter().map(|(n, ms)| (n.to_string(), ms)).collect();
+        let host_blocked = crate::cuda::profile::host_report().into_iter().map(|(w, st, c, ms, by)| (w.to_string(), st.to_string(), c, ms, by)).collect();
         let layer_fl: Vec<f64> = model.plan.iter().map(|spec| layer_flops(&cfg, spec, t, 0)).collect();
         let flops = layer_fl.iter().sum::<f64>() + 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
         let st = st.unwrap_or_default();
@@ -355,6 +358,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             h2d_gbs: if st.copy_s > 0.0 { st.bytes as f64 / 1e9 / st.copy_s } else { f64::NAN },
             per_layer: st.layers.clone(),
             profile,
+            host_blocked,
             ..Default::default()
         };
         if let (Some(r), true) = (&rates, stream) {
@@ -423,6 +427,13 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             println!("\n== {} tokens: GPU time per step (K3_PROFILE) ==", r.tokens);
             for (n, ms) in &r.profile {
                 println!("{:>40} {:>10.1} ms {:>6.1} %", n, ms, 100.0 * ms / total);
+            }
+        }
+        if !r.host_blocked.is_empty() {
+            println!("\n== {} tokens: executor thread blocked on the GPU (K3_PROFILE; host copies: {:?}) ==", r.tokens, crate::cuda::gpu::HostCopy::from_env());
+            println!("{:>32} {:>40} {:>6} {:>10} {:>10}", "what", "in step", "calls", "ms", "MB");
+            for (w, st, c, ms, by) in &r.host_blocked {
+                println!("{:>32} {:>40} {:>6} {:>10.1} {:>10.1}", w, st, c, ms, *by as f64 / 1e6);
             }
         }
     }

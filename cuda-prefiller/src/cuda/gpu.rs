@@ -53,8 +53,45 @@ struct Module {
 }
 unsafe impl Send for Module {}
 
+/// How the compute stream's host <-> device copies ([`Gpu::htod`], [`Gpu::dtoh`]) run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCopy {
+    /// Through page-locked bounce buffers mapped into the device's address space, moved by a
+    /// copy kernel on the SMs (`kernels/convert.cu` `copy_bytes`): no copy engine is involved,
+    /// so they never wait behind the weight streamer's copies on the copy stream. The default.
+    Kernel,
+    /// `cuMemcpy{HtoD,DtoH}Async` from/to pageable memory plus a stream synchronisation (the
+    /// former path; kept as a diagnostic, `K3_HOST_COPY=engine`). On the H200 such a copy waited
+    /// for the copy engine to finish the next layer's weights (docs/cuda.md, session 5).
+    Engine,
+}
+
+impl HostCopy {
+    /// `K3_HOST_COPY=engine` selects [`HostCopy::Engine`] (diagnostic); anything else the default.
+    pub fn from_env() -> HostCopy {
+        static M: std::sync::OnceLock<HostCopy> = std::sync::OnceLock::new();
+        *M.get_or_init(|| match std::env::var("K3_HOST_COPY").as_deref() {
+            Ok("engine") => HostCopy::Engine,
+            _ => HostCopy::Kernel,
+        })
+    }
+}
+
+/// Bytes of each of the two mapped page-locked bounce buffers of [`HostCopy::Kernel`].
+pub const BOUNCE_BYTES: usize = 32 << 20;
+
+/// The two bounce buffers: host address, device address of the same pages, and the event
+/// recorded after the last kernel that used each.
+struct Bounce {
+    bufs: Vec<(*mut u8, sys::CUdeviceptr, Event)>,
+}
+// SAFETY: page-locked host memory and events, used under the Gpu's mutex only.
+unsafe impl Send for Bounce {}
+
 /// One GPU: context, streams, compiled kernel modules.
 pub struct Gpu {
+    /// Dropped (freed) before the context (declared first).
+    bounce: Mutex<Option<Bounce>>,
     ctx: Arc<CudaContext>,
     streams: Streams,
     modules: Mutex<HashMap<String, Module>>,
@@ -109,7 +146,7 @@ impl Gpu {
             }
         }
         tracing::info!(gpu = %name, sm = format!("{}{}", cc.0, cc.1), sms = sm_count, "CUDA device opened");
-        Ok(Arc::new(Gpu { ctx, streams: Streams { compute, copy }, modules: Mutex::new(HashMap::new()), name, cc, sm_count, smem_optin }))
+        Ok(Arc::new(Gpu { bounce: Mutex::new(None), ctx, streams: Streams { compute, copy }, modules: Mutex::new(HashMap::new()), name, cc, sm_count, smem_optin }))
     }
 
     /// Binds the context to the calling thread (cheap; every entry point calls it).
@@ -131,8 +168,11 @@ impl Gpu {
 
     pub fn sync(&self) -> Result<()> {
         self.bind()?;
+        let t0 = std::time::Instant::now();
         // SAFETY: valid stream handle.
-        unsafe { ck(sys::cuStreamSynchronize(self.streams.compute), "synchronize compute stream") }
+        unsafe { ck(sys::cuStreamSynchronize(self.streams.compute), "synchronize compute stream")? };
+        super::profile::host_blocked("compute stream synchronisation", 0, t0.elapsed());
+        Ok(())
     }
 
     pub fn sync_copy(&self) -> Result<()> {
@@ -271,30 +311,113 @@ impl Gpu {
         unsafe { ck(sys::cuMemsetD8Async(m.ptr, 0, m.bytes, self.streams.compute), "cuMemsetD8Async") }
     }
 
-    /// Host → device on the compute stream (pageable source: the call returns once it is staged).
+    /// Host → device on the compute stream, ordered with its other work; `src` may be reused as
+    /// soon as the call returns. See [`HostCopy`] for how.
     pub fn htod<T: Copy>(&self, dst: sys::CUdeviceptr, src: &[T]) -> Result<()> {
         self.bind()?;
         let n = std::mem::size_of_val(src);
         if n == 0 {
             return Ok(());
         }
-        unsafe {
-            ck(sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, n, self.streams.compute), "host-to-device copy")?;
-            ck(sys::cuStreamSynchronize(self.streams.compute), "host-to-device copy")
+        let t0 = std::time::Instant::now();
+        // SAFETY: `src` is `n` initialised bytes (T: Copy, plain data).
+        let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, n) };
+        match HostCopy::from_env() {
+            HostCopy::Engine => unsafe {
+                ck(sys::cuMemcpyHtoDAsync_v2(dst, bytes.as_ptr() as *const c_void, n, self.streams.compute), "host-to-device copy")?;
+                ck(sys::cuStreamSynchronize(self.streams.compute), "host-to-device copy")?;
+            },
+            HostCopy::Kernel => {
+                let mut guard = self.bounce.lock().map_err(|_| anyhow!("bounce buffers poisoned"))?;
+                let bn = self.bounce_bufs(&mut guard)?;
+                for (i, o) in (0..n).step_by(BOUNCE_BYTES).enumerate() {
+                    let len = BOUNCE_BYTES.min(n - o);
+                    let (h, d, ev) = &bn.bufs[i % 2];
+                    // the kernel that last read this buffer is done before the host overwrites it
+                    ev.sync()?;
+                    // SAFETY: the bounce buffer holds BOUNCE_BYTES bytes; nothing else uses it now.
+                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr().add(o), *h, len) };
+                    self.copy_kernel(*d, dst + o as u64, len, "host-to-device copy")?;
+                    ev.record(self.streams.compute)?;
+                }
+            }
         }
+        super::profile::host_blocked("host-to-device copy", n, t0.elapsed());
+        Ok(())
     }
 
-    /// Device → host, synchronous with respect to the compute stream.
+    /// Device → host, synchronous with respect to the compute stream. See [`HostCopy`] for how.
     pub fn dtoh<T: Copy>(&self, dst: &mut [T], src: sys::CUdeviceptr) -> Result<()> {
         self.bind()?;
         let n = std::mem::size_of_val(dst);
         if n == 0 {
             return Ok(());
         }
-        unsafe {
-            ck(sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src, n, self.streams.compute), "device-to-host copy")?;
-            ck(sys::cuStreamSynchronize(self.streams.compute), "device-to-host copy")
+        let t0 = std::time::Instant::now();
+        // SAFETY: `dst` is `n` bytes of plain data (T: Copy); every byte is written below.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, n) };
+        match HostCopy::from_env() {
+            HostCopy::Engine => unsafe {
+                ck(sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, n, self.streams.compute), "device-to-host copy")?;
+                ck(sys::cuStreamSynchronize(self.streams.compute), "device-to-host copy")?;
+            },
+            HostCopy::Kernel => {
+                let mut guard = self.bounce.lock().map_err(|_| anyhow!("bounce buffers poisoned"))?;
+                let bn = self.bounce_bufs(&mut guard)?;
+                let pieces: Vec<(usize, usize)> = (0..n).step_by(BOUNCE_BYTES).map(|o| (o, BOUNCE_BYTES.min(n - o))).collect();
+                // piece i lands in buffer i % 2; piece i + 1 is copied while the host takes piece i
+                let issue = |i: usize| -> Result<()> {
+                    let (o, len) = pieces[i];
+                    let (_, d, ev) = &bn.bufs[i % 2];
+                    self.copy_kernel(src + o as u64, *d, len, "device-to-host copy")?;
+                    ev.record(self.streams.compute)
+                };
+                issue(0)?;
+                for (i, &(o, len)) in pieces.iter().enumerate() {
+                    if i + 1 < pieces.len() {
+                        issue(i + 1)?;
+                    }
+                    let (h, _, ev) = &bn.bufs[i % 2];
+                    ev.sync()?;
+                    // SAFETY: the kernel wrote `len` bytes at the start of this bounce buffer.
+                    unsafe { std::ptr::copy_nonoverlapping(*h as *const u8, out.as_mut_ptr().add(o), len) };
+                }
+            }
         }
+        super::profile::host_blocked("device-to-host copy", n, t0.elapsed());
+        Ok(())
+    }
+
+    /// The bounce buffers of [`HostCopy::Kernel`], allocated at first use.
+    fn bounce_bufs<'a>(&self, b: &'a mut Option<Bounce>) -> Result<&'a Bounce> {
+        if b.is_none() {
+            let mut bufs = Vec::new();
+            for _ in 0..2 {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                let mut d: sys::CUdeviceptr = 0;
+                // SAFETY: plain allocation; the device address of mapped page-locked memory.
+                unsafe {
+                    ck(
+                        sys::cuMemHostAlloc(&mut p, BOUNCE_BYTES, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP),
+                        "allocating a mapped page-locked bounce buffer",
+                    )?;
+                    if let Err(e) = ck(sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0), "device address of a bounce buffer") {
+                        let _ = sys::cuMemFreeHost(p);
+                        return Err(e);
+                    }
+                }
+                bufs.push((p as *mut u8, d, self.event()?));
+            }
+            *b = Some(Bounce { bufs });
+        }
+        Ok(b.as_ref().expect("set above"))
+    }
+
+    /// `kernels/convert.cu` `copy_bytes` on the compute stream.
+    fn copy_kernel(&self, src: sys::CUdeviceptr, dst: sys::CUdeviceptr, n: usize, what: &str) -> Result<()> {
+        let f = self.func("convert", &[], "copy_bytes")?;
+        let grid = n.div_ceil(16 * 256).clamp(1, (self.sm_count.max(1) as usize) * 8) as u32;
+        self.launch(f, (grid, 1, 1), (256, 1, 1), 0, &mut KArgs::new().arg(src).arg(dst).arg(n as i64), what)
     }
 
     pub fn dtod(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, bytes: usize) -> Result<()> {
@@ -350,6 +473,23 @@ impl Gpu {
         let mut e = std::ptr::null_mut();
         unsafe { ck(sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32), "cuEventCreate")? };
         Ok(Event(e))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.bind();
+        if let Ok(mut b) = self.bounce.lock() {
+            if let Some(bn) = b.take() {
+                for (h, _, ev) in bn.bufs {
+                    let _ = ev.sync();
+                    // SAFETY: allocated by cuMemHostAlloc in `bounce_bufs`, freed once.
+                    unsafe {
+                        let _ = sys::cuMemFreeHost(h as *mut c_void);
+                    }
+                }
+            }
+        }
     }
 }
 

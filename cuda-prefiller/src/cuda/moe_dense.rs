@@ -5,8 +5,12 @@
 //! exactly, to BF16 in a bounded scratch (two buffers: the next group is dequantised while the
 //! current one multiplies), and each expert's gate|up and down projections run as cuBLAS GEMMs
 //! (bf16 operands, f32 accumulation) spread over a few worker streams, with the fused SiTU-GLU
-//! in between. Rows of one expert are taken in slices of at most `slice_rows`, so the f32
-//! gate|up scratch stays bounded whatever the routing.
+//! in between. A group's rows (contiguous in the grouped order) are taken in windows of at most
+//! `slice_rows` (about a worker's share), so the f32 gate|up scratch stays bounded whatever the
+//! routing; per window one GEMM per expert piece and projection, with one SiTU launch over the
+//! whole window in between (2 launches per expert + 1 per window; cuBLAS's grouped GEMM,
+//! `cublasGemmGroupedBatchedEx` with BF16 operands and f32 output, was refused on the H200 box:
+//! docs/cuda.md).
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use anyhow::{anyhow, ensure, Result};
@@ -80,6 +84,9 @@ impl MoeDenseCfg {
         Ok(c)
     }
 }
+
+/// Fewest rows of a work window of the dense path (unless the group has fewer).
+const WINDOW_MIN_ROWS: usize = 256;
 
 /// Average routed rows per expert from which [`MoePath::Auto`] takes the dense path.
 pub const DENSE_MIN_ROWS: usize = 128;
@@ -163,8 +170,7 @@ pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbas
         offs.push(o);
     }
     let rows_of = |pi: usize, e: usize| (offs[pi][e + 1] - offs[pi][e]).max(0) as usize;
-    let max_rows = (0..plans.len()).flat_map(|pi| (e_lo..e_hi).map(move |e| (pi, e))).map(|(pi, e)| rows_of(pi, e)).max().unwrap_or(0);
-    if max_rows == 0 {
+    if (0..plans.len()).all(|pi| (e_lo..e_hi).all(|e| rows_of(pi, e) == 0)) {
         return Ok(());
     }
     let g = &b.gpu;
@@ -183,19 +189,58 @@ pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbas
         .collect();
     // one plan: its device offsets let the dequantisation skip experts without rows
     let skip_offsets = if plans.len() == 1 { plans[0].offsets.ptr } else { 0 };
-    let slice = cfg.slice_rows.max(1).min(max_rows);
+    let slice = cfg.slice_rows.max(1);
     let b2 = betas.linear_beta.unwrap_or(0.0);
+    // Work items: per group, per plan, the group's rows (contiguous in the plan's grouped order)
+    // in windows of at most `slice` rows (about a worker's share of the group), each on one
+    // worker stream; a window's problems are its experts' pieces (expert, first row, rows). Per
+    // window: one gate|up GEMM per problem, one SiTU over the window's rows, one down GEMM per
+    // problem.
+    struct Win {
+        gi: usize,
+        pi: usize,
+        r0: usize,
+        rows: usize,
+        w: usize,
+        probs: std::ops::Range<usize>,
+    }
+    let mut wins: Vec<Win> = Vec::new();
+    let mut probs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut load = vec![0usize; nw];
+    for (gi, &(a, z)) in groups.iter().enumerate() {
+        for (pi, o) in offs.iter().enumerate() {
+            let (lo, hi) = (o[a].max(0) as usize, o[z].max(0) as usize);
+            let share = slice.min((hi - lo).div_ceil(nw).max(WINDOW_MIN_ROWS));
+            let mut r0 = lo;
+            while r0 < hi {
+                let rows = share.min(hi - r0);
+                let first = probs.len();
+                for e in a..z {
+                    let (s0, s1) = (o[e].max(0) as usize, o[e + 1].max(0) as usize);
+                    let (p0, p1) = (s0.max(r0), s1.min(r0 + rows));
+                    if p0 < p1 {
+                        probs.push((e, p0, p1 - p0));
+                    }
+                }
+                let w = (0..nw).min_by_key(|&w| load[w]).unwrap_or(0);
+                load[w] += rows;
+                wins.push(Win { gi, pi, r0, rows, w, probs: first..probs.len() });
+                r0 += rows;
+            }
+        }
+    }
     // scratch, stream-ordered on the compute stream (freed there after the join below)
+    let wmax = wins.iter().map(|w| w.rows).max().unwrap_or(1);
     let wbuf: Vec<DevMem> = (0..groups.len().min(2)).map(|_| g.alloc(gsize * per * 2)).collect::<Result<_>>()?;
-    let gu: Vec<DevMem> = (0..nw).map(|_| g.alloc(slice * 2 * inter * 4)).collect::<Result<_>>()?;
-    let hs: Vec<DevMem> = (0..nw).map(|_| g.alloc(slice * inter * 2)).collect::<Result<_>>()?;
+    let gu: Vec<DevMem> = (0..nw).map(|_| g.alloc(wmax * 2 * inter * 4)).collect::<Result<_>>()?;
+    let hs: Vec<DevMem> = (0..nw).map(|_| g.alloc(wmax * inter * 2)).collect::<Result<_>>()?;
     if s != g.stream() {
         let e = g.event()?;
         e.record(g.stream())?;
         e.wait_on(s)?;
     }
     let mut done: Vec<Vec<Event>> = Vec::new();
-    let mut load = vec![0usize; nw];
+    let mut wi = 0;
     for (gi, &(a, z)) in groups.iter().enumerate() {
         let buf = &wbuf[gi % 2];
         if gi >= 2 {
@@ -210,28 +255,20 @@ pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbas
         for &ws in &workers.streams {
             ready.wait_on(ws)?;
         }
-        for e in a..z {
-            for (pi, plan) in plans.iter().enumerate() {
-                let rows = rows_of(pi, e);
-                if rows == 0 {
-                    continue;
-                }
-                let w = (0..nw).min_by_key(|&w| load[w]).unwrap_or(0);
-                load[w] += rows;
-                let (ws, blas) = (workers.streams[w], &workers.blas[w]);
+        while wi < wins.len() && wins[wi].gi == gi {
+            let win = &wins[wi];
+            let plan = plans[win.pi];
+            let (ws, blas) = (workers.streams[win.w], &workers.blas[win.w]);
+            for &(e, row, n) in &probs[win.probs.clone()] {
                 let wgu = buf.ptr + ((e - a) * per * 2) as u64;
-                let wd = wgu + (2 * inter * lat * 2) as u64;
-                let mut r0 = 0;
-                while r0 < rows {
-                    let n = slice.min(rows - r0);
-                    let row = offs[pi][e] as usize + r0;
-                    let hrow = hs[w].ptr;
-                    blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[w].ptr, 2 * inter, n, 2 * inter, lat)?;
-                    k::expert_situ_bf16(g, ws, gu[w].ptr, n, inter, hrow, betas.beta, b2)?;
-                    blas.gemm(GemmType::Bf16, hrow, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
-                    r0 += n;
-                }
+                blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[win.w].ptr + ((row - win.r0) * 2 * inter * 4) as u64, 2 * inter, n, 2 * inter, lat)?;
             }
+            k::expert_situ_bf16(g, ws, gu[win.w].ptr, win.rows, inter, hs[win.w].ptr, betas.beta, b2)?;
+            for &(e, row, n) in &probs[win.probs.clone()] {
+                let wd = buf.ptr + ((e - a) * per * 2 + 2 * inter * lat * 2) as u64;
+                blas.gemm(GemmType::Bf16, hs[win.w].ptr + ((row - win.r0) * inter * 2) as u64, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
+            }
+            wi += 1;
         }
         let evs = workers
             .streams

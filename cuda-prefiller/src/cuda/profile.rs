@@ -3,6 +3,11 @@
 //! the time between consecutive events by step name (the GPU time of the kernels issued in that
 //! step, the compute stream being in order; a GPU left idle by the host is charged to the step
 //! before). Off by default: no events, no cost.
+//!
+//! The host side too: every call that blocks the calling thread on the GPU (the compute stream's
+//! host <-> device copies and synchronisations, [`host_blocked`]) is timed; with `K3_PROFILE=1`
+//! [`host_report`] sums them by kind and step, and any single wait over 2 ms is logged (tracing,
+//! debug level) whether or not profiling is on.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -16,11 +21,13 @@ struct Marks {
     events: Vec<(&'static str, Event)>,
     /// The step begun last.
     current: &'static str,
+    /// (what, step) → (calls, seconds, bytes) of host time blocked on the GPU.
+    host: BTreeMap<(&'static str, &'static str), (usize, f64, usize)>,
 }
 
 fn marks() -> &'static Mutex<Marks> {
     static M: OnceLock<Mutex<Marks>> = OnceLock::new();
-    M.get_or_init(|| Mutex::new(Marks { events: Vec::new(), current: "-" }))
+    M.get_or_init(|| Mutex::new(Marks { events: Vec::new(), current: "-", host: BTreeMap::new() }))
 }
 
 /// True when `K3_PROFILE` is set to something other than `0`.
@@ -48,6 +55,36 @@ pub fn reset() {
     let mut m = marks().lock().unwrap_or_else(|e| e.into_inner());
     m.events.clear();
     m.current = "-";
+    m.host.clear();
+}
+
+/// The calling thread was blocked for `d` in `what` (a copy of `bytes` bytes, or a
+/// synchronisation): summed per step while profiling; logged when over 2 ms.
+pub fn host_blocked(what: &'static str, bytes: usize, d: std::time::Duration) {
+    let on = enabled();
+    if !on && d.as_micros() < 2000 {
+        return;
+    }
+    let mut m = marks().lock().unwrap_or_else(|e| e.into_inner());
+    let step = m.current;
+    if d.as_micros() >= 2000 {
+        tracing::debug!(what, step, bytes, ms = d.as_secs_f64() * 1e3, "host blocked on the GPU");
+    }
+    if on {
+        let e = m.host.entry((what, step)).or_default();
+        e.0 += 1;
+        e.1 += d.as_secs_f64();
+        e.2 += bytes;
+    }
+}
+
+/// Host time blocked on the GPU since the last [`reset`]: `(what, step, calls, ms, bytes)`,
+/// largest first; empty unless [`enabled`].
+pub fn host_report() -> Vec<(&'static str, &'static str, usize, f64, usize)> {
+    let m = marks().lock().unwrap_or_else(|e| e.into_inner());
+    let mut v: Vec<_> = m.host.iter().map(|(&(w, s), &(c, secs, b))| (w, s, c, secs * 1e3, b)).collect();
+    v.sort_by(|a, b| b.3.total_cmp(&a.3));
+    v
 }
 
 /// Milliseconds per step name since the last [`reset`] (waits for the marks to complete), largest
