@@ -1,7 +1,7 @@
 //! Batched decode steps on the MLX engine (continuous batching, issue 18) against stepping
-//! each session alone, on a synthetic tiny model: sessions of different lengths (ragged MLA
-//! latent caches), one joining the batch late and one leaving early — every greedy token
-//! equal, every logits row within f32 rounding.
+//! each session alone, on a synthetic tiny model: sessions of very different and of close
+//! lengths (each attends over its own MLA latent rows), one joining the batch late and one
+//! leaving early — every greedy token equal, every logits row within f32 rounding.
 #![cfg(feature = "mlx")]
 
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
@@ -24,8 +24,12 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 fn batched_steps_equal_steps_alone() {
     let dir = tiny();
     let engine = Engine::load(dir.path()).unwrap();
-    // ragged lengths; sequence 3 joins at step 4, sequence 1 leaves after step 6
-    let lens = [5usize, 17, 40, 2];
+    check(&engine, [5, 17, 40, 2]);
+    check(&engine, [30, 33, 31, 34]);
+}
+
+/// Sequence 3 joins at step 4, sequence 1 leaves after step 6.
+fn check(engine: &Engine, lens: [usize; 4]) {
     let (join, leave, steps) = ([0usize, 0, 0, 4], [usize::MAX, 6, usize::MAX, usize::MAX], 12usize);
     let fresh = |i: usize| -> Session {
         let mut s = engine.new_session().unwrap();
@@ -66,7 +70,7 @@ fn batched_steps_equal_steps_alone() {
             worst = worst.max(err);
         }
     }
-    eprintln!("worst relative logits difference {worst:.2e}");
+    eprintln!("lengths {lens:?}: worst relative logits difference {worst:.2e}");
     assert_eq!(got_tokens, want_tokens);
     for i in 0..4 {
         assert_eq!(sessions[i].tokens(), lens[i] + want_tokens[i].len(), "sequence {i} holds the wrong number of tokens");
