@@ -374,7 +374,8 @@ async fn bad_requests_get_openai_errors() {
         (json!({"messages": user("hi"), "temperature": "hot"}), 400, "temperature"),
         (json!({"messages": user("hi"), "top_p": 0}), 400, "top_p"),
         (json!({"messages": user("hi"), "max_tokens": 0}), 400, "max_tokens"),
-        (json!({"messages": user("hi"), "n": 2}), 400, "n"),
+        (json!({"messages": user("hi"), "n": 17}), 400, "n"),
+        (json!({"messages": user("hi"), "n": 0}), 400, "n"),
         (json!({"messages": user("hi"), "presence_penalty": 0.5}), 400, "presence_penalty"),
         (json!({"messages": []}), 400, "messages"),
         (json!({"prompt": "hi"}), 400, "messages"),
@@ -518,4 +519,253 @@ async fn logprobs_models_tokenize_and_reasoning_tokens() {
     let (st, t) = post(&s, "/tokenize", json!({"prompt": "hi"})).await;
     assert_eq!(st, 200);
     assert!(t["count"].as_u64().unwrap() >= 1);
+}
+
+/// Parses an Anthropic SSE body into `(event name, JSON)` pairs (the name must repeat the JSON's
+/// `type`).
+fn anthropic_events(body: &str) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    let mut name = None;
+    for line in body.lines() {
+        if let Some(n) = line.strip_prefix("event: ") {
+            name = Some(n.to_string());
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            let v: Value = serde_json::from_str(d).unwrap();
+            let n = name.take().unwrap_or_else(|| panic!("data without an event name: {d}"));
+            assert_eq!(v["type"], n.as_str(), "{body}");
+            out.push((n, v));
+        }
+    }
+    out
+}
+
+const WEATHER_TOOL: &str = r#"[{"name": "get_weather", "description": "Weather for a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}]"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_thinking_tools_and_tool_results() {
+    let s = start(None).await;
+    let think = json!({"type": "enabled", "budget_tokens": 2048});
+    // Plain reply with thinking: a thinking block, then a text block; usage matches count_tokens.
+    let body = json!({"model": "k3-synth", "max_tokens": 200, "system": "Be brief.", "thinking": think,
+                      "messages": [{"role": "user", "content": "hello there"}]});
+    let (st, v) = post(&s, "/v1/messages", body.clone()).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(
+        v["content"],
+        json!([{"type": "thinking", "thinking": "Thinking about: hello there", "signature": ""}, {"type": "text", "text": "Echo: hello there"}])
+    );
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["stop_sequence"], Value::Null);
+    let mut count_body = body.clone();
+    count_body.as_object_mut().unwrap().remove("max_tokens");
+    let (st, c) = post(&s, "/v1/messages/count_tokens", count_body).await;
+    assert_eq!(st, 200, "{c}");
+    let u = &v["usage"];
+    assert_eq!(u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(), c["input_tokens"].as_u64().unwrap());
+    assert!(u["output_tokens"].as_u64().unwrap() > 10);
+    // The same prompt through the OpenAI endpoint renders identically (one pipeline).
+    let (_, o) = post(&s, "/tokenize", json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}],
+                                              "chat_template_kwargs": {"thinking": true, "thinking_effort": "low"}})).await;
+    assert_eq!(o["count"], c["input_tokens"]);
+
+    // Stop sequences cut the text and are named.
+    let mut stopped = body.clone();
+    stopped["stop_sequences"] = json!(["zzz", "there"]);
+    let (_, v) = post(&s, "/v1/messages", stopped).await;
+    assert_eq!(v["content"][1], json!({"type": "text", "text": "Echo: hello "}));
+    assert_eq!(v["stop_reason"], "stop_sequence");
+    assert_eq!(v["stop_sequence"], "there");
+
+    // A tool call: text, then a tool_use block with the parsed input; stop_reason tool_use.
+    let tools: Value = serde_json::from_str(WEATHER_TOOL).unwrap();
+    let turn1 = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let (st, v) = post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "messages": turn1})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["stop_reason"], "tool_use");
+    let blocks = v["content"].as_array().unwrap();
+    assert_eq!(blocks.len(), 3, "{v}");
+    assert_eq!(blocks[1], json!({"type": "text", "text": "Checking."}));
+    assert_eq!(blocks[2]["type"], "tool_use");
+    assert_eq!(blocks[2]["name"], "get_weather");
+    assert_eq!(blocks[2]["input"], json!({"city": "Paris", "days": 2}));
+    let tool_id = blocks[2]["id"].as_str().unwrap().to_string();
+    assert!(tool_id.starts_with("toolu_"), "{tool_id}");
+
+    // The round trip: the assistant turn as returned, a tool_result in the next user turn.
+    let mut turn2 = turn1.as_array().unwrap().clone();
+    turn2.push(json!({"role": "assistant", "content": v["content"]}));
+    turn2.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": [{"type": "text", "text": "{\"temp_c\": 18}"}]}]}));
+    let (st, v2) = post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "messages": turn2})).await;
+    assert_eq!(st, 200, "{v2}");
+    assert_eq!(v2["content"][1], json!({"type": "text", "text": "It is 18C in Paris."}));
+    assert_eq!(v2["stop_reason"], "end_turn");
+    // The first turn's state is reused: the assistant turn renders as the model wrote it.
+    assert!(v2["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0, "{v2}");
+
+    // tool_choice none: the call the model writes is dropped.
+    let (_, v) = post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "tool_choice": {"type": "none"}, "messages": turn1})).await;
+    assert!(v["content"].as_array().unwrap().iter().all(|b| b["type"] != "tool_use"), "{v}");
+    assert_eq!(v["stop_reason"], "end_turn");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_streamed_events() {
+    let s = start(None).await;
+    let tools: Value = serde_json::from_str(WEATHER_TOOL).unwrap();
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/messages", s.base))
+        .json(&json!({"max_tokens": 300, "stream": true, "thinking": {"type": "enabled", "budget_tokens": 20000}, "tools": tools,
+                      "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let events = anthropic_events(&r.text().await.unwrap());
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(&names[..3], ["message_start", "ping", "content_block_start"]);
+    assert_eq!(&names[names.len() - 2..], ["message_delta", "message_stop"]);
+    // Blocks: thinking (index 0), text (1), tool_use (2); deltas rebuild them.
+    let mut kinds = Vec::new();
+    let mut texts = vec![String::new(); 3];
+    let mut open = None;
+    for (n, v) in &events {
+        match n.as_str() {
+            "content_block_start" => {
+                assert_eq!(open, None, "a block starts while another is open");
+                let i = v["index"].as_u64().unwrap() as usize;
+                assert_eq!(i, kinds.len());
+                kinds.push(v["content_block"]["type"].as_str().unwrap().to_string());
+                open = Some(i);
+            }
+            "content_block_delta" => {
+                let i = v["index"].as_u64().unwrap() as usize;
+                assert_eq!(open, Some(i));
+                let d = &v["delta"];
+                let piece = d["thinking"].as_str().or(d["text"].as_str()).or(d["partial_json"].as_str()).unwrap();
+                texts[i].push_str(piece);
+            }
+            "content_block_stop" => {
+                assert_eq!(open, Some(v["index"].as_u64().unwrap() as usize));
+                open = None;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(kinds, ["thinking", "text", "tool_use"]);
+    assert_eq!(texts[0], "Need the weather tool.");
+    assert_eq!(texts[1], "Checking.");
+    assert_eq!(serde_json::from_str::<Value>(&texts[2]).unwrap(), json!({"city": "Paris", "days": 2}));
+    let (_, delta) = &events[events.len() - 2];
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+    assert!(delta["usage"]["output_tokens"].as_u64().unwrap() > 10);
+    let (_, start) = &events[0];
+    assert!(start["message"]["usage"]["input_tokens"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_errors_have_anthropics_shape() {
+    let s = start(Some("sekret")).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/messages", s.base);
+    let ok = json!({"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]});
+    // Anthropic's clients send the key as x-api-key; a missing key is an authentication_error.
+    let r = client.post(&url).json(&ok).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "authentication_error");
+    let r = client.post(&url).header("x-api-key", "sekret").json(&ok).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let tools: Value = serde_json::from_str(WEATHER_TOOL).unwrap();
+    let cases: Vec<(Value, u16, &str, &str)> = vec![
+        (json!({"messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "max_tokens"),
+        (json!({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}), 404, "not_found_error", "claude-x"),
+        (json!({"max_tokens": 5, "messages": []}), 400, "invalid_request_error", "messages"),
+        (json!({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}), 400, "invalid_request_error", "system"),
+        (json!({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "temperature"),
+        (json!({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 10}, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "budget_tokens"),
+        (json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "tool", "name": "nope"}, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "nope"),
+        (json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 2000},
+                "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "thinking"),
+        (json!({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}], "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "server tool"),
+        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}), 400, "invalid_request_error", "not fetched"),
+        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}), 400, "invalid_request_error", "document"),
+        (json!({"max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "context"),
+    ];
+    for (body, status, kind, word) in cases {
+        let r = client.post(&url).header("x-api-key", "sekret").json(&body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["type"], "error", "{body} -> {v}");
+        assert_eq!(v["error"]["type"], kind, "{body} -> {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(word), "{body} -> {v}");
+    }
+    // Malformed JSON, through the same shape.
+    let r = client.post(&url).header("x-api-key", "sekret").header("content-type", "application/json").body("{nope").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_one_prefill() {
+    let s = start(None).await;
+    let user3 = json!([{"role": "user", "content": "three answers"}]);
+    let prefilled = |t: &str| metric(t, "k3_prefill_tokens_total{where=\"local\"}");
+    let reused = |t: &str| metric(t, "k3_reused_prompt_tokens_total");
+    let before = metrics_text(&s).await;
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"messages": user3, "n": 3})).await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["message"]["content"], "Echo: three answers");
+        assert_eq!(c["finish_reason"], "stop");
+    }
+    let p = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    // One prefill: the other two choices start from copies of the prompt's checkpoint.
+    let after = metrics_text(&s).await;
+    assert_eq!(prefilled(&after) - prefilled(&before), p as f64, "the prompt is prefilled once");
+    assert_eq!(reused(&after) - reused(&before), 2.0 * p as f64, "choices 1 and 2 reuse the whole prompt");
+    // Usage sums the choices: three times the tokens of the same reply alone.
+    let (_, one) = post(&s, "/v1/chat/completions", json!({"messages": user3})).await;
+    let per_choice = one["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(3 * per_choice), "usage sums the choices");
+    assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+
+    // Streamed: every choice's deltas carry its index; each ends with its finish reason.
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&json!({"messages": user3, "n": 2, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    let events = sse_events(&r.text().await.unwrap());
+    let mut content = vec![String::new(); 2];
+    let mut finish = vec![None; 2];
+    let mut usage = None;
+    for e in &events {
+        if let Some(u) = e.get("usage").filter(|u| !u.is_null()) {
+            usage = Some(u.clone());
+            continue;
+        }
+        let c = &e["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        if let Some(t) = c["delta"]["content"].as_str() {
+            content[i].push_str(t);
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            assert!(finish[i].is_none(), "one finish per choice");
+            finish[i] = Some(f.to_string());
+        }
+    }
+    assert_eq!(content, ["Echo: three answers", "Echo: three answers"]);
+    assert_eq!(finish, [Some("stop".to_string()), Some("stop".to_string())]);
+    assert_eq!(usage.unwrap()["completion_tokens"].as_u64(), Some(2 * per_choice));
 }

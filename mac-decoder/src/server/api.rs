@@ -49,7 +49,7 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         ApiError {
             status: StatusCode::UNAUTHORIZED,
-            message: "Incorrect or missing API key (send `Authorization: Bearer <key>`)".into(),
+            message: "Incorrect or missing API key (send `Authorization: Bearer <key>` or `x-api-key: <key>`)".into(),
             kind: "invalid_request_error",
             param: None,
             code: Some("invalid_api_key"),
@@ -152,7 +152,13 @@ pub struct GenSettings {
     /// Log-probabilities with this many alternatives per token (chat: `logprobs: true` +
     /// `top_logprobs`; completions: `logprobs: N`).
     pub logprobs: Option<usize>,
+    /// Choices to generate (`n`): one prefill, then each choice decodes from a fork of the
+    /// prompt's state with its own sampler seed (`seed + i`).
+    pub n: usize,
 }
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_N: usize = 16;
 
 /// Most alternatives per token `top_logprobs` (and the legacy `logprobs`) may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -188,11 +194,11 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_log
     if top_k < 0 {
         return Err(ApiError::bad_request(format!("`top_k` must be >= 0, got {top_k}"), Some("top_k")));
     }
-    if let Some(n) = opt_int(v, "n")? {
-        if n != 1 {
-            return Err(ApiError::bad_request(format!("only `n` = 1 is supported, got {n}"), Some("n")));
-        }
-    }
+    let n = match opt_int(v, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
+        Some(n) => return Err(ApiError::bad_request(format!("`n` must be in [1, {MAX_N}], got {n}"), Some("n"))),
+    };
     for key in ["presence_penalty", "frequency_penalty"] {
         if let Some(p) = opt_num(v, key)? {
             if !(-2.0..=2.0).contains(&p) {
@@ -246,7 +252,7 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_log
     let return_token_ids = opt_bool(v, "return_token_ids")?.unwrap_or(false);
     let sampling = SamplingParams { greedy: temperature == 0.0, temperature: temperature as f32, top_p: top_p as f32, top_k: top_k as usize, seed };
     sampling.validate().map_err(|e| ApiError::bad_request(e, None))?;
-    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids, logprobs })
+    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids, logprobs, n })
 }
 
 /// A validated chat request: what to render and how to generate.
@@ -647,5 +653,8 @@ pub fn completion_request(v: &Json, served_model: &str, vocab: usize, seed_fallb
         return Err(ApiError::bad_request("only `best_of` = 1 is supported", Some("best_of")));
     }
     let gen = gen_settings(v, 1.0, seed_fallback, true)?;
+    if gen.n != 1 {
+        return Err(ApiError::bad_request(format!("`n` > 1 is supported by /v1/chat/completions only, got {}", gen.n), Some("n")));
+    }
     Ok(CompletionRequest { model, prompt, gen })
 }

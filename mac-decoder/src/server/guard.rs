@@ -1,7 +1,7 @@
 //! HTTP hardening in front of `/v1/*`: authentication, where requests may come from, what they
 //! may carry, how long their bodies may take, and how many may run at once.
 //!
-//! - **API key** (`--api-key` / `K3_API_KEY`): `Authorization: Bearer <key>`, the scheme name in
+//! - **API key** (`--api-key` / `K3_API_KEY`): `Authorization: Bearer <key>` (or `x-api-key: <key>`), the scheme name in
 //!   any case; the key compared in constant time over SHA-256 digests (neither its length nor a
 //!   common prefix shows in the timing); whitespace around the key is not accepted.
 //! - **Without an API key** the server trusts its network position, so it refuses what a web
@@ -81,15 +81,22 @@ fn error(status: StatusCode, message: String, code: &'static str) -> Response {
     ApiError { status, message, kind, param: None, code: Some(code) }.into_response()
 }
 
-/// Whether `Authorization` carries `key` (digest): scheme `Bearer` in any case, one space.
+/// Whether `Authorization` carries `key` (digest): scheme `Bearer` in any case, one space; or
+/// `x-api-key: <key>` (Anthropic's clients).
 fn authorized(req: &Request, key: &[u8; 32]) -> bool {
+    let matches = |token: &str| {
+        let got: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        got.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    };
+    if let Some(token) = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return matches(token);
+    }
     let Some(v) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else { return false };
     let Some((scheme, token)) = v.split_once(' ') else { return false };
     if !scheme.eq_ignore_ascii_case("bearer") {
         return false;
     }
-    let got: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-    got.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    matches(token)
 }
 
 /// The host part of a `Host` value or an `Origin` URL, lowercased, without port or brackets.

@@ -3,11 +3,14 @@
 //! - `POST /v1/chat/completions`: K3 chat format in ([`crate::chat::render`]), reasoning,
 //!   content and tool calls out ([`crate::chat::parse`]), non-streaming or SSE.
 //! - `POST /v1/completions`: a raw prompt (text with special tokens allowed, or token ids).
+//! - `POST /v1/messages`, `POST /v1/messages/count_tokens`: the Anthropic Messages API
+//!   ([`anthropic`]), translated onto the same chat pipeline.
 //! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 //!
 //! Generation runs on one engine thread ([`worker`]) behind the [`engine::GenerationEngine`]
 //! trait; requests queue for it. Held session states give prefix reuse across turns.
 
+pub mod anthropic;
 pub mod api;
 pub mod engine;
 pub mod guard;
@@ -119,18 +122,23 @@ fn now_secs() -> u64 {
 
 /// The router with every endpoint.
 pub fn router(state: Arc<AppState>) -> Router {
+    let guard = Arc::new(guard::Guard::new(state.api_key.as_deref(), state.guard.clone(), state.metrics.clone()));
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_info))
         .route("/tokenize", post(tokenize))
-        .route_layer(axum::middleware::from_fn_with_state(
-            Arc::new(guard::Guard::new(state.api_key.as_deref(), state.guard.clone(), state.metrics.clone())),
-            guard::check,
-        ));
+        .route_layer(axum::middleware::from_fn_with_state(guard.clone(), guard::check));
+    // The Anthropic routes: the same guard (one admission budget), errors in Anthropic's shape.
+    let messages = Router::new()
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route_layer(axum::middleware::from_fn_with_state(guard, guard::check))
+        .route_layer(axum::middleware::from_fn(anthropic::error_shape));
     Router::new()
         .merge(v1)
+        .merge(messages)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -454,35 +462,100 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
-    let (prompt, images) = match chat_prompt(&st, &req).await {
-        Ok(x) => x,
+    let job = match start_chat(&st, &req, &format!("call_{:x}{:04x}", now_secs(), n & 0xffff)).await {
+        Ok(j) => j,
         Err(e) => return fail(&st, e),
     };
-    let constraint = match req.reply_shape() {
-        Some(shape) => match st.constraint(shape, req.render.thinking).await {
-            Ok(c) => Some(c),
-            Err(e) => return fail(&st, e),
-        },
-        None => None,
-    };
-    let (rx, _max) = match start(&st, &prompt, images, &req.gen, st.default_chat_max_tokens, constraint) {
-        Ok(x) => x,
-        Err(e) => return fail(&st, e),
-    };
-    st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
     let id = format!("chatcmpl-{:x}{:04x}", now_secs(), n & 0xffff);
-    let parser = match OutputParser::new(st.tokenizer.clone(), req.render.thinking, format!("call_{:x}{:04x}", now_secs(), n & 0xffff)) {
-        Ok(p) if req.tool_calls_allowed() => p,
-        Ok(p) => p.without_tool_calls(),
-        Err(e) => return fail(&st, ApiError::internal(e)),
-    };
-    let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
-    let run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs };
     if req.gen.stream {
-        chat_stream(st, rx, run, id, req.model, prompt, req.gen).await
+        chat_stream(st, job, id, req.model, req.gen).await
     } else {
-        chat_whole(st, rx, run, id, req.model, prompt, req.gen).await
+        chat_whole(st, job, id, req.model, req.gen).await
     }
+}
+
+/// A chat request on the engine: its prompt and one generation per choice.
+struct ChatJob {
+    prompt: Vec<u32>,
+    /// Per choice: its engine events (`None` once the choice is finished or cancelled:
+    /// dropping the receiver cancels its generation) and its run.
+    events: Vec<Option<JobEvents>>,
+    runs: Vec<ChatRun>,
+}
+
+impl ChatJob {
+    /// The next engine event of any unfinished choice: `(choice, event)`, where the event is
+    /// `None` if the engine dropped that choice's channel. `None` when every choice is done.
+    async fn next(&mut self) -> Option<(usize, Option<GenEvent>)> {
+        let waiting: Vec<_> = self
+            .events
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, rx)| rx.as_mut().map(|rx| Box::pin(async move { (i, rx.recv().await) })))
+            .collect();
+        if waiting.is_empty() {
+            return None;
+        }
+        let (got, _, _) = futures_util::future::select_all(waiting).await;
+        Some(got)
+    }
+
+    /// [`Self::next`], or `Err(())` as soon as `out` (the client's stream) is closed: the
+    /// client is gone, and dropping the job cancels every choice.
+    async fn next_for<T>(&mut self, out: &mpsc::UnboundedSender<T>) -> Result<Option<(usize, Option<GenEvent>)>, ()> {
+        tokio::select! {
+            got = self.next() => Ok(got),
+            _ = out.closed() => Err(()),
+        }
+    }
+
+    /// Ends choice `i` (drops its receiver: the engine stops generating it).
+    fn close(&mut self, i: usize) {
+        self.events[i] = None;
+    }
+}
+
+/// Renders a chat request, builds its constraints and queues one generation per choice. With
+/// `n` > 1 the first choice's prefill is awaited before the others are queued: they then start
+/// from the prompt state it checkpointed (shared prefill, forked decode), each with its own
+/// sampler seed (`seed + i`). `call_id_prefix` names the tool calls of the reply.
+async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_prefix: &str) -> Result<ChatJob, ApiError> {
+    let (prompt, images) = chat_prompt(st, req).await?;
+    let n = req.gen.n.max(1);
+    let mut job = ChatJob { prompt, events: Vec::with_capacity(n), runs: Vec::with_capacity(n) };
+    // Every choice carries the images: the store keys the prompt's checkpoint by them (a choice
+    // that finds it does not run the tower again).
+    let mut images = Some(images);
+    for i in 0..n {
+        let constraint = match req.reply_shape() {
+            Some(shape) => Some(st.constraint(shape, req.render.thinking).await?),
+            None => None,
+        };
+        let mut gen = req.gen.clone();
+        gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
+        let choice_images = if i + 1 == n { images.take().unwrap_or_default() } else { images.clone().unwrap_or_default() };
+        let (mut rx, _max) = start(st, &job.prompt, choice_images, &gen, st.default_chat_max_tokens, constraint)?;
+        let prefix = if n > 1 { format!("{call_id_prefix}_{i}") } else { call_id_prefix.to_string() };
+        let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(ApiError::internal)?;
+        let parser = if req.tool_calls_allowed() { parser } else { parser.without_tool_calls() };
+        let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
+        let mut run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs };
+        if i == 0 && n > 1 {
+            // The prompt state must be in the store before the other choices look for it.
+            match rx.recv().await {
+                Some(ev @ GenEvent::Prefilled { .. }) => {
+                    run.on(ev)?;
+                }
+                Some(GenEvent::Error(e)) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+                Some(other) => return Err(ApiError::internal(format!("the engine reported {other:?} before the prefill"))),
+                None => return Err(ApiError::internal("the engine stopped during the prefill")),
+            }
+        }
+        job.events.push(Some(rx));
+        job.runs.push(run);
+    }
+    st.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
+    Ok(job)
 }
 
 /// Renders and tokenizes a chat request. Images are decoded and pre-processed here (off the
@@ -540,62 +613,77 @@ async fn chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<
     Ok((prompt, Vec::new()))
 }
 
-async fn chat_whole(
-    st: Arc<AppState>,
-    mut rx: JobEvents,
-    mut run: ChatRun,
-    id: String,
-    model: String,
-    prompt: Vec<u32>,
-    gen: GenSettings,
-) -> Response {
-    let mut finish = FinishReason::Stop;
-    loop {
-        let Some(ev) = rx.recv().await else {
-            return fail(&st, ApiError::internal("the engine stopped during generation"));
+/// Waits until every choice of `job` has finished; its finish reasons.
+async fn finish_all(job: &mut ChatJob) -> Result<Vec<FinishReason>, ApiError> {
+    let mut finish = vec![None; job.runs.len()];
+    while let Some((i, ev)) = job.next().await {
+        let Some(ev) = ev else {
+            return Err(ApiError::internal("the engine stopped during generation"));
         };
-        match run.on(ev) {
-            Ok(Some(ChatStep::Finished(r, _))) => {
-                finish = r;
-                break;
+        let run = &mut job.runs[i];
+        match run.on(ev)? {
+            Some(ChatStep::Finished(r, _)) => {
+                finish[i] = Some(if run.stopped_by_string { FinishReason::Stop } else { r });
+                job.close(i);
             }
-            Ok(_) => {
-                if run.stopped_by_string {
-                    break; // dropping rx cancels the job
-                }
+            _ if run.stopped_by_string => {
+                finish[i] = Some(FinishReason::Stop);
+                job.close(i); // cancels this choice's generation
             }
-            Err(e) => return fail(&st, e),
+            _ => {}
         }
     }
-    drop(rx);
-    let out = run.parser.output().clone();
-    let content = if out.content.is_empty() { Value::Null } else { Value::String(content_with_stops(&out.content, &gen.stop)) };
-    let mut message = json!({"role": "assistant", "content": content});
-    if !out.reasoning.is_empty() {
-        message["reasoning_content"] = Value::String(out.reasoning.clone());
-    }
-    if !out.tool_calls.is_empty() && !run.stopped_by_string {
-        message["tool_calls"] = Value::Array(out.tool_calls.iter().map(|t| {
-            let mut v = tool_call_json(t);
-            if let Some(o) = v.as_object_mut() {
-                o.remove("index");
-            }
-            v
-        }).collect());
-    }
-    let finish = if run.stopped_by_string { FinishReason::Stop } else { finish };
-    let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.chat(0));
-    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": lp});
-    if gen.return_token_ids {
-        choice["token_ids"] = json!(run.tokens);
+    Ok(finish.into_iter().map(|f| f.unwrap_or(FinishReason::Stop)).collect())
+}
+
+/// Usage of a whole job: the prompt once, the completion tokens of every choice.
+fn job_usage(job: &ChatJob) -> Value {
+    let completion = job.runs.iter().map(|r| r.tokens.len()).sum();
+    let reasoning = job.runs.iter().map(|r| r.parser.output().reasoning_tokens).sum();
+    usage(job.prompt.len(), completion, job.runs.first().map_or(0, |r| r.reused), reasoning)
+}
+
+async fn chat_whole(st: Arc<AppState>, mut job: ChatJob, id: String, model: String, gen: GenSettings) -> Response {
+    let finish = match finish_all(&mut job).await {
+        Ok(f) => f,
+        Err(e) => return fail(&st, e),
+    };
+    let mut choices = Vec::with_capacity(job.runs.len());
+    for (i, (run, finish)) in job.runs.iter().zip(finish).enumerate() {
+        let out = run.parser.output();
+        let content = if out.content.is_empty() { Value::Null } else { Value::String(content_with_stops(&out.content, &gen.stop)) };
+        let mut message = json!({"role": "assistant", "content": content});
+        if !out.reasoning.is_empty() {
+            message["reasoning_content"] = Value::String(out.reasoning.clone());
+        }
+        if !out.tool_calls.is_empty() && !run.stopped_by_string {
+            message["tool_calls"] = Value::Array(
+                out.tool_calls
+                    .iter()
+                    .map(|t| {
+                        let mut v = tool_call_json(t);
+                        if let Some(o) = v.as_object_mut() {
+                            o.remove("index");
+                        }
+                        v
+                    })
+                    .collect(),
+            );
+        }
+        let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.chat(0));
+        let mut choice = json!({"index": i, "message": message, "finish_reason": finish.as_str(), "logprobs": lp});
+        if gen.return_token_ids {
+            choice["token_ids"] = json!(run.tokens);
+        }
+        choices.push(choice);
     }
     let mut body = json!({
         "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
-        "choices": [choice],
-        "usage": usage(prompt.len(), run.tokens.len(), run.reused, run.parser.output().reasoning_tokens),
+        "choices": choices,
+        "usage": job_usage(&job),
     });
     if gen.return_token_ids {
-        body["prompt_token_ids"] = json!(prompt);
+        body["prompt_token_ids"] = json!(job.prompt);
     }
     AxJson(body).into_response()
 }
@@ -608,7 +696,6 @@ fn content_with_stops(content: &str, stops: &[String]) -> String {
     }
 }
 
-/// Sends parser events as chunks; false when the client is gone.
 /// Sends parser events as chunks (the first carries the log-probabilities of the tokens not yet
 /// streamed); false when the client is gone.
 fn send_events(
@@ -638,69 +725,66 @@ fn sse(v: &Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
 
-async fn chat_stream(
-    st: Arc<AppState>,
-    mut rx: JobEvents,
-    mut run: ChatRun,
-    id: String,
-    model: String,
-    prompt: Vec<u32>,
-    gen: GenSettings,
-) -> Response {
+async fn chat_stream(st: Arc<AppState>, mut job: ChatJob, id: String, model: String, gen: GenSettings) -> Response {
     let (tx, out_rx) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
     let created = now_secs();
-    let chunk = move |delta: Value, finish: Option<&str>| {
+    let chunk = move |index: usize, delta: Value, finish: Option<&str>| {
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+               "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": null}]})
     };
     let metrics = st.metrics.clone();
     tokio::spawn(async move {
-        let _ = tx.send(sse(&chunk(json!({"role": "assistant", "content": ""}), None)));
-        let mut finish = None;
-        loop {
-            // a client that leaves ends the loop at once (dropping rx cancels the job)
-            let Ok(ev) = rx.recv_for(&tx).await else { return };
+        for i in 0..job.runs.len() {
+            let _ = tx.send(sse(&chunk(i, json!({"role": "assistant", "content": ""}), None)));
+        }
+        let mut finished = vec![false; job.runs.len()];
+        // a client that leaves ends the loop at once (dropping the job cancels its choices)
+        while let Some((i, ev)) = match job.next_for(&tx).await {
+            Ok(got) => got,
+            Err(()) => return,
+        } {
             let Some(ev) = ev else { break };
-            match run.on(ev) {
+            let run = &mut job.runs[i];
+            let at = |d: Value, f: Option<&str>| chunk(i, d, f);
+            let finish = match run.on(ev) {
                 Ok(Some(ChatStep::Events(evs))) => {
-                    if !send_events(&tx, &chunk, evs, &mut run.logprobs) {
-                        return; // client gone: dropping rx cancels the job
+                    if !send_events(&tx, &at, evs, &mut run.logprobs) {
+                        return; // client gone: dropping the receivers cancels the jobs
                     }
-                    if run.stopped_by_string {
-                        finish = Some(FinishReason::Stop);
-                        break;
-                    }
+                    run.stopped_by_string.then_some(FinishReason::Stop)
                 }
                 Ok(Some(ChatStep::Finished(r, tail))) => {
-                    send_events(&tx, &chunk, tail, &mut run.logprobs);
-                    finish = Some(r);
-                    break;
+                    send_events(&tx, &at, tail, &mut run.logprobs);
+                    Some(if run.stopped_by_string { FinishReason::Stop } else { r })
                 }
-                Ok(None) => {}
+                Ok(None) => None,
                 Err(e) => {
                     metrics.error("generation");
                     let _ = tx.send(sse(&e.body()));
                     let _ = tx.send(Ok(Event::default().data("[DONE]")));
                     return;
                 }
+            };
+            if let Some(finish) = finish {
+                let mut last = at(json!({}), Some(finish.as_str()));
+                if let Some(lp) = run.logprobs.as_mut().and_then(LogprobLog::take_chat) {
+                    last["choices"][0]["logprobs"] = lp;
+                }
+                let _ = tx.send(sse(&last));
+                finished[i] = true;
+                job.close(i);
             }
         }
-        drop(rx);
-        let Some(finish) = finish else {
+        if finished.iter().any(|f| !f) {
             metrics.error("generation");
             let _ = tx.send(sse(&ApiError::internal("the engine stopped during generation").body()));
             let _ = tx.send(Ok(Event::default().data("[DONE]")));
             return;
-        };
-        let mut last = chunk(json!({}), Some(finish.as_str()));
-        if let Some(lp) = run.logprobs.as_mut().and_then(LogprobLog::take_chat) {
-            last["choices"][0]["logprobs"] = lp;
         }
-        let _ = tx.send(sse(&last));
         if gen.include_usage {
-            let mut u = chunk(Value::Null, None);
+            let mut u = chunk(0, Value::Null, None);
             u["choices"] = json!([]);
-            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused, run.parser.output().reasoning_tokens);
+            u["usage"] = job_usage(&job);
             let _ = tx.send(sse(&u));
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]")));

@@ -3,7 +3,8 @@
 Usage: python3 openai_sdk.py BASE_URL MODEL_ID
 Checks, on a random-weight synthetic model: plain and streamed chat, constrained decoding
 (json_schema 20/20 valid, a forced named tool 20/20, json_object replies are objects,
-tool_choice "required"), tool calls dropped under tool_choice "none". Prints one line per check;
+tool_choice "required"), tool calls dropped under tool_choice "none", `n` > 1 (streamed and
+not). Prints one line per check;
 exits non-zero on the first failure.
 """
 import json
@@ -132,4 +133,29 @@ for chunk in client.chat.completions.create(model=model, messages=msgs, max_toke
         usage = chunk.usage
 check(finish is not None and usage is not None and usage.completion_tokens <= 6, "streamed chat")
 print("ok streamed chat")
+
+# n > 1: one prefill, a choice per sampler seed; usage sums the choices' tokens.
+r = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, seed=7, n=3, extra_body=NO_THINK)
+check([c.index for c in r.choices] == [0, 1, 2], f"n=3 choices {r.choices}")
+texts = [c.message.content for c in r.choices]
+check(len(set(texts)) > 1, f"n=3: the choices differ (own seeds): {texts}")
+if all(c.finish_reason == "length" for c in r.choices):
+    check(r.usage.completion_tokens == 36, f"n=3 usage sums the choices: {r.usage}")
+else:
+    check(3 <= r.usage.completion_tokens <= 36, f"n=3 usage {r.usage}")
+one = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, seed=7, extra_body=NO_THINK)
+check(one.choices[0].message.content == texts[0], "choice 0 of n=3 equals the n=1 reply with the same seed")
+got, finishes, usage = {}, {}, None
+for chunk in client.chat.completions.create(
+    model=model, messages=msgs, max_tokens=12, seed=7, n=2, stream=True, stream_options={"include_usage": True}, extra_body=NO_THINK,
+):
+    for c in chunk.choices:
+        got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+        if c.finish_reason:
+            finishes[c.index] = c.finish_reason
+    if chunk.usage:
+        usage = chunk.usage
+check(got == {0: texts[0], 1: texts[1]}, f"streamed n=2 {got} vs {texts[:2]}")
+check(set(finishes) == {0, 1} and usage is not None and usage.prompt_tokens == r.usage.prompt_tokens, "streamed n=2 finish and usage")
+print("ok n > 1")
 print("ALL OK")
