@@ -533,7 +533,7 @@ async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_prefix: &str)
         };
         let mut gen = req.gen.clone();
         gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
-        let choice_images = if i + 1 == n { images.take().unwrap_or_default() } else { images.clone().unwrap_or_default() };
+        let choice_images = if i + 1 == n { images.take().unwrap_or_default() } else { images.iter().flatten().map(|im| JobImage { image: im.image.clone(), key: im.key.clone() }).collect() };
         let (mut rx, _max) = start(st, &job.prompt, choice_images, &gen, st.default_chat_max_tokens, constraint)?;
         let prefix = if n > 1 { format!("{call_id_prefix}_{i}") } else { call_id_prefix.to_string() };
         let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(ApiError::internal)?;

@@ -40,7 +40,6 @@ impl Default for StoreOptions {
 }
 
 /// One image of a prompt: the tower's input and which pad run of the prompt it fills.
-#[derive(Clone)]
 pub struct JobImage {
     pub image: PreprocessedImage,
     /// Its pad run in the (expanded) prompt and a digest of the image bytes.
