@@ -342,3 +342,39 @@ fn node_with_another_model_falls_back_to_local_prefill() {
     });
     assert_eq!(node.snapshot().counters.requests, 0, "no request reached the other model's node");
 }
+
+/// Issue 21: a client that left during a remote prefill cost the node the whole prompt (a
+/// disconnect at 2 s still cost the node 25 s of compute). Now the engine thread's cancel flag
+/// reaches the prefill client, which cancels the request on the node: the node's record ends
+/// failed long before the slowed prefill (9 layers × 400 ms) would have finished, and nothing
+/// falls back to a local prefill.
+#[test]
+fn a_client_that_leaves_during_a_remote_prefill_cancels_it_on_the_node() {
+    let model = synth(5, None);
+    let fp = fingerprint(model.path());
+    let (scfg, ccfg) = paired(fp, fp);
+    let ck = Arc::new(Checkpoint::open(model.path()).unwrap());
+    let m = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
+    let opts = ServeOptions { layer_delay: Duration::from_millis(400), ..Default::default() };
+    let node = PrefillNode::start(m, "127.0.0.1:0".parse().unwrap(), scfg, opts).unwrap();
+    runtime().block_on(async {
+        let s = start_server(model.path(), node.local_addr(), ccfg).await;
+        let prompt: Vec<u32> = (0..64u32).map(|i| 10 + (i * 7) % 900).collect();
+        let req = reqwest::Client::new().post(format!("{}/v1/completions", s.base)).json(&json!({"prompt": prompt, "max_tokens": 4}));
+        let t0 = std::time::Instant::now();
+        // the client gives up after 0.6 s: dropping the request closes its connection
+        assert!(tokio::time::timeout(Duration::from_millis(600), req.send()).await.is_err(), "the request finished before the client left");
+        while metric(&s, "k3_cancelled_requests_total").await < 1.0 {
+            assert!(t0.elapsed() < Duration::from_secs(3), "the abandoned request was not cancelled");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let cancelled_at = t0.elapsed().as_secs_f64();
+        let rec = records(&node, 1);
+        assert_eq!(rec.len(), 1);
+        assert!(matches!(rec[0].outcome, cuda_prefiller::server::Outcome::Failed { .. }), "the node's record: {:?}", rec[0].outcome);
+        assert!(rec[0].total_s < 2.5, "the node worked {:.1} s on an abandoned prompt", rec[0].total_s);
+        assert_eq!(metric(&s, LOCAL).await, 0.0, "the abandoned prompt was prefilled locally");
+        assert_eq!(metric(&s, FALLBACKS).await, 0.0);
+        eprintln!("cancelled {cancelled_at:.2} s after the request started; the node stopped after {:.2} s: {:?}", rec[0].total_s, rec[0].outcome);
+    });
+}
