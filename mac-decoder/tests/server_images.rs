@@ -1,8 +1,9 @@
 //! Images in chat requests (`image_url` parts with data URLs) on the MLX engine and a synthetic
 //! model with vision weights: the prompt is the renderer's media blocks with each pad expanded
 //! into the image's feature rows, and the greedy tokens equal a direct engine prefill of that
-//! prompt with the MLX vision encoder's rows. Prefix reuse tells images apart. Bad image input
-//! gets a 400 naming the part.
+//! prompt with the MLX vision encoder's rows. Prefix reuse tells images apart; an Anthropic
+//! `image` block renders the same prompt; `n` = 2 reuses the held prompt with its images. Bad
+//! image input gets a 400 naming the part.
 
 use std::sync::Arc;
 
@@ -183,6 +184,21 @@ mod mlx {
         assert_eq!(v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt.len() as u64));
         assert_eq!(metric(&s, "k3_images_total").await, 1.0);
 
+        // The same content as an Anthropic Messages request (an `image` block with a base64
+        // source): the same prompt ids and images, so the whole prompt is the held checkpoint.
+        use base64::Engine as _;
+        let messages = json!({"max_tokens": 8, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 20000},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64::engine::general_purpose::STANDARD.encode(&a)}},
+                {"type": "text", "text": "Be brief."}]}]});
+        let r = reqwest::Client::new().post(format!("{}/v1/messages", s.base)).json(&messages).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let m: Value = r.json().await.unwrap();
+        assert_eq!(m["usage"]["cache_read_input_tokens"].as_u64(), Some(prompt.len() as u64), "{m}");
+        assert_eq!(m["usage"]["input_tokens"].as_u64(), Some(0), "{m}");
+        assert_eq!(m["usage"]["output_tokens"].as_u64(), Some(tokens.len() as u64), "{m}");
+        assert_eq!(metric(&s, "k3_images_total").await, 1.0);
+
         // Another image of the same size has the same token ids but must not reuse that state.
         let b = image_bytes(84, 50, 77, image::ImageFormat::Png);
         let fb = vision::encode_image_bytes(&enc, &b).unwrap();
@@ -194,6 +210,17 @@ mod mlx {
         assert_eq!(ids(&v3["prompt_token_ids"]), prompt, "same size, same ids");
         assert_eq!(v3["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0));
         assert_eq!(ids(&v3["choices"][0]["token_ids"]), direct(&engine, &tok, &prompt, std::slice::from_ref(&fb), 8));
+        assert_eq!(metric(&s, "k3_images_total").await, 2.0);
+        // n = 2 of that request: both choices continue the held prompt (its images included),
+        // greedy, so both are the same reply; the tower does not run again.
+        let mut body_n = body_b.clone();
+        body_n["n"] = json!(2);
+        let (status, v5) = post(&s, &body_n).await;
+        assert_eq!(status, 200, "{v5}");
+        for c in v5["choices"].as_array().unwrap() {
+            assert_eq!(ids(&c["token_ids"]), ids(&v3["choices"][0]["token_ids"]));
+        }
+        assert_eq!(v5["usage"]["completion_tokens"].as_u64(), Some(2 * ids(&v3["choices"][0]["token_ids"]).len() as u64));
         assert_eq!(metric(&s, "k3_images_total").await, 2.0);
 
         // Two images (a JPEG, then a WebP) in one message, the OpenAI responses-style part too.
