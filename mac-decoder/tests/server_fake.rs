@@ -768,4 +768,39 @@ async fn n_choices_share_one_prefill() {
     assert_eq!(content, ["Echo: three answers", "Echo: three answers"]);
     assert_eq!(finish, [Some("stop".to_string()), Some("stop".to_string())]);
     assert_eq!(usage.unwrap()["completion_tokens"].as_u64(), Some(2 * per_choice));
+
+    // Legacy completions: n = 2 (the fake model's text is a function of the history, so both
+    // choices are the n = 1 text), one prefill, usage sums; streamed by index.
+    let (st, one) = post(&s, "/v1/completions", json!({"prompt": "raw text prompt", "temperature": 0, "max_tokens": 6})).await;
+    assert_eq!(st, 200, "{one}");
+    let before = metrics_text(&s).await;
+    let (st, two) = post(&s, "/v1/completions", json!({"prompt": "raw text prompt", "temperature": 0, "max_tokens": 6, "n": 2})).await;
+    assert_eq!(st, 200, "{two}");
+    for (i, c) in two["choices"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], one["choices"][0]["text"]);
+    }
+    assert_eq!(two["usage"]["completion_tokens"].as_u64(), Some(12));
+    let after = metrics_text(&s).await;
+    assert_eq!(prefilled(&after), prefilled(&before), "the prompt's checkpoint serves both choices");
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", s.base))
+        .json(&json!({"prompt": "raw text prompt", "temperature": 0, "max_tokens": 6, "n": 2, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    let events = sse_events(&r.text().await.unwrap());
+    let mut texts = vec![String::new(); 2];
+    let mut finishes = 0;
+    for e in &events {
+        if let Some(u) = e.get("usage").filter(|u| !u.is_null()) {
+            assert_eq!(u["completion_tokens"], 12);
+            continue;
+        }
+        let c = &e["choices"][0];
+        texts[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap());
+        finishes += c["finish_reason"].is_string() as usize;
+    }
+    assert_eq!(finishes, 2);
+    assert_eq!(texts, [one["choices"][0]["text"].as_str().unwrap(); 2]);
 }

@@ -653,8 +653,5 @@ pub fn completion_request(v: &Json, served_model: &str, vocab: usize, seed_fallb
         return Err(ApiError::bad_request("only `best_of` = 1 is supported", Some("best_of")));
     }
     let gen = gen_settings(v, 1.0, seed_fallback, true)?;
-    if gen.n != 1 {
-        return Err(ApiError::bad_request(format!("`n` > 1 is supported by /v1/chat/completions only, got {}", gen.n), Some("n")));
-    }
     Ok(CompletionRequest { model, prompt, gen })
 }

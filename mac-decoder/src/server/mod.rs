@@ -487,17 +487,7 @@ impl ChatJob {
     /// The next engine event of any unfinished choice: `(choice, event)`, where the event is
     /// `None` if the engine dropped that choice's channel. `None` when every choice is done.
     async fn next(&mut self) -> Option<(usize, Option<GenEvent>)> {
-        let waiting: Vec<_> = self
-            .events
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, rx)| rx.as_mut().map(|rx| Box::pin(async move { (i, rx.recv().await) })))
-            .collect();
-        if waiting.is_empty() {
-            return None;
-        }
-        let (got, _, _) = futures_util::future::select_all(waiting).await;
-        Some(got)
+        next_event(&mut self.events).await
     }
 
     /// [`Self::next`], or `Err(())` as soon as `out` (the client's stream) is closed: the
@@ -515,6 +505,58 @@ impl ChatJob {
     }
 }
 
+/// The next engine event of any open receiver of `events`: `(index, event)`, where the event
+/// is `None` if the engine dropped that channel. `None` when every receiver is closed.
+async fn next_event(events: &mut [Option<JobEvents>]) -> Option<(usize, Option<GenEvent>)> {
+    let waiting: Vec<_> =
+        events.iter_mut().enumerate().filter_map(|(i, rx)| rx.as_mut().map(|rx| Box::pin(async move { (i, rx.recv().await) }))).collect();
+    if waiting.is_empty() {
+        return None;
+    }
+    let (got, _, _) = futures_util::future::select_all(waiting).await;
+    Some(got)
+}
+
+/// Queues one generation per choice of a prompt (`constraints.len()` of them, choice `i` with
+/// sampler seed `seed + i`). With several, the first one's prefill is awaited before the others
+/// are queued: they start from the prompt state it checkpointed (shared prefill, forked
+/// decode). Returns the receivers and the first choice's `Prefilled` event if it was taken.
+async fn queue_choices(
+    st: &AppState,
+    prompt: &[u32],
+    mut images: Vec<JobImage>,
+    gen: &GenSettings,
+    default_max: usize,
+    constraints: Vec<Option<Box<dyn TokenConstraint + Send>>>,
+) -> Result<(Vec<Option<JobEvents>>, Option<GenEvent>), ApiError> {
+    let n = constraints.len();
+    let mut events = Vec::with_capacity(n);
+    let mut first = None;
+    for (i, constraint) in constraints.into_iter().enumerate() {
+        let mut g = gen.clone();
+        g.sampling.seed = g.sampling.seed.wrapping_add(i as u64);
+        // Every choice carries the images: the store keys the prompt's checkpoint by them (a
+        // choice that finds it does not run the tower again).
+        let imgs = if i + 1 == n {
+            std::mem::take(&mut images)
+        } else {
+            images.iter().map(|im| JobImage { image: im.image.clone(), key: im.key.clone() }).collect()
+        };
+        let (mut rx, _max) = start(st, prompt, imgs, &g, default_max, constraint)?;
+        if i == 0 && n > 1 {
+            // The prompt state must be in the store before the other choices look for it.
+            match rx.recv().await {
+                Some(ev @ GenEvent::Prefilled { .. }) => first = Some(ev),
+                Some(GenEvent::Error(e)) => return Err(ApiError::internal(format!("generation failed: {e}"))),
+                Some(other) => return Err(ApiError::internal(format!("the engine reported {other:?} before the prefill"))),
+                None => return Err(ApiError::internal("the engine stopped during the prefill")),
+            }
+        }
+        events.push(Some(rx));
+    }
+    Ok((events, first))
+}
+
 /// Renders a chat request, builds its constraints and queues one generation per choice. With
 /// `n` > 1 the first choice's prefill is awaited before the others are queued: they then start
 /// from the prompt state it checkpointed (shared prefill, forked decode), each with its own
@@ -522,40 +564,27 @@ impl ChatJob {
 async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_prefix: &str) -> Result<ChatJob, ApiError> {
     let (prompt, images) = chat_prompt(st, req).await?;
     let n = req.gen.n.max(1);
-    let mut job = ChatJob { prompt, events: Vec::with_capacity(n), runs: Vec::with_capacity(n) };
-    // Every choice carries the images: the store keys the prompt's checkpoint by them (a choice
-    // that finds it does not run the tower again).
-    let mut images = Some(images);
-    for i in 0..n {
-        let constraint = match req.reply_shape() {
+    let mut constraints = Vec::with_capacity(n);
+    for _ in 0..n {
+        constraints.push(match req.reply_shape() {
             Some(shape) => Some(st.constraint(shape, req.render.thinking).await?),
             None => None,
-        };
-        let mut gen = req.gen.clone();
-        gen.sampling.seed = gen.sampling.seed.wrapping_add(i as u64);
-        let choice_images = if i + 1 == n { images.take().unwrap_or_default() } else { images.iter().flatten().map(|im| JobImage { image: im.image.clone(), key: im.key.clone() }).collect() };
-        let (mut rx, _max) = start(st, &job.prompt, choice_images, &gen, st.default_chat_max_tokens, constraint)?;
+        });
+    }
+    let (events, first) = queue_choices(st, &prompt, images, &req.gen, st.default_chat_max_tokens, constraints).await?;
+    let mut runs = Vec::with_capacity(n);
+    for i in 0..n {
         let prefix = if n > 1 { format!("{call_id_prefix}_{i}") } else { call_id_prefix.to_string() };
         let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(ApiError::internal)?;
         let parser = if req.tool_calls_allowed() { parser } else { parser.without_tool_calls() };
         let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
-        let mut run = ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs };
-        if i == 0 && n > 1 {
-            // The prompt state must be in the store before the other choices look for it.
-            match rx.recv().await {
-                Some(ev @ GenEvent::Prefilled { .. }) => {
-                    run.on(ev)?;
-                }
-                Some(GenEvent::Error(e)) => return Err(ApiError::internal(format!("generation failed: {e}"))),
-                Some(other) => return Err(ApiError::internal(format!("the engine reported {other:?} before the prefill"))),
-                None => return Err(ApiError::internal("the engine stopped during the prefill")),
-            }
-        }
-        job.events.push(Some(rx));
-        job.runs.push(run);
+        runs.push(ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs });
     }
-    st.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
-    Ok(job)
+    if let Some(ev) = first {
+        runs[0].on(ev)?;
+    }
+    st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+    Ok(ChatJob { prompt, events, runs })
 }
 
 /// Renders and tokenizes a chat request. Images are decoded and pre-processed here (off the
@@ -819,10 +848,12 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             );
         }
     }
-    let (mut rx, _) = match start(&st, &prompt, Vec::new(), &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS, None) {
-        Ok(x) => x,
-        Err(e) => return fail(&st, e),
-    };
+    let nchoices = req.gen.n.max(1);
+    let (mut events, first) =
+        match queue_choices(&st, &prompt, Vec::new(), &req.gen, api::DEFAULT_COMPLETION_MAX_TOKENS, (0..nchoices).map(|_| None).collect()).await {
+            Ok(x) => x,
+            Err(e) => return fail(&st, e),
+        };
     st.metrics.prompt_tokens.inc_by(prompt.len() as u64);
     let id = format!("cmpl-{:x}{:04x}", now_secs(), n & 0xffff);
     let tok = st.tokenizer.clone();
@@ -841,8 +872,16 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         /// Characters of text sent so far (the next entry's `text_offset`).
         text_len: usize,
     }
-    let logprobs = gen.logprobs.map(|_| LogprobLog::new(tok.clone()));
-    let mut run = Run { utf8: Default::default(), stops: StopStrings::new(gen.stop.clone()), tokens: Vec::new(), reused: 0, logprobs, text_len: 0 };
+    let mut runs: Vec<Run> = (0..nchoices)
+        .map(|_| Run {
+            utf8: Default::default(),
+            stops: StopStrings::new(gen.stop.clone()),
+            tokens: Vec::new(),
+            reused: 0,
+            logprobs: gen.logprobs.map(|_| LogprobLog::new(tok.clone())),
+            text_len: 0,
+        })
+        .collect();
     // Returns (text delta, finish reason if finished).
     let step = move |run: &mut Run, ev: GenEvent| -> Result<(String, Option<&'static str>), ApiError> {
         match ev {
@@ -875,32 +914,48 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
         }
     };
 
+    if let Some(ev) = first {
+        if let Err(e) = step(&mut runs[0], ev) {
+            return fail(&st, e);
+        }
+    }
+    let prompt_len = prompt.len();
+    let total_usage = move |runs: &[Run]| usage(prompt_len, runs.iter().map(|r| r.tokens.len()).sum(), runs[0].reused, 0);
+
     if !gen.stream {
-        let mut text = String::new();
-        let finish;
-        loop {
-            let Some(ev) = rx.recv().await else {
+        let mut texts = vec![String::new(); nchoices];
+        let mut finish = vec![None; nchoices];
+        while let Some((i, ev)) = next_event(&mut events).await {
+            let Some(ev) = ev else {
                 return fail(&st, ApiError::internal("the engine stopped during generation"));
             };
-            match step(&mut run, ev) {
+            match step(&mut runs[i], ev) {
                 Ok((s, f)) => {
-                    text.push_str(&s);
-                    if let Some(f) = f {
-                        finish = f;
-                        break;
+                    texts[i].push_str(&s);
+                    if f.is_some() {
+                        finish[i] = f;
+                        events[i] = None; // finished (or cut by a stop string: cancels it)
                     }
                 }
                 Err(e) => return fail(&st, e),
             }
         }
-        drop(rx);
-        let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.legacy(0, 0));
-        let mut choice = json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": lp});
-        if gen.return_token_ids {
-            choice["token_ids"] = json!(run.tokens);
-        }
+        let choices: Vec<Value> = runs
+            .iter()
+            .zip(texts)
+            .zip(finish)
+            .enumerate()
+            .map(|(i, ((run, text), finish))| {
+                let lp = run.logprobs.as_ref().map_or(Value::Null, |l| l.legacy(0, 0));
+                let mut choice = json!({"index": i, "text": text, "finish_reason": finish.unwrap_or("stop"), "logprobs": lp});
+                if gen.return_token_ids {
+                    choice["token_ids"] = json!(run.tokens);
+                }
+                choice
+            })
+            .collect();
         let mut body = json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                              "choices": [choice], "usage": usage(prompt.len(), run.tokens.len(), run.reused, 0)});
+                              "choices": choices, "usage": total_usage(&runs)});
         if gen.return_token_ids {
             body["prompt_token_ids"] = json!(prompt);
         }
@@ -910,9 +965,9 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let (tx, out_rx) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
     let metrics = st.metrics.clone();
     tokio::spawn(async move {
-        let chunk = |text: &str, finish: Option<&str>| {
+        let chunk = |index: usize, text: &str, finish: Option<&str>| {
             json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
+                   "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": null}]})
         };
         // A chunk carrying the log-probabilities of the tokens not yet streamed.
         let with_logprobs = |run: &mut Run, mut c: Value| {
@@ -922,29 +977,30 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
             }
             c
         };
+        let mut finished = 0;
         loop {
-            let Ok(ev) = rx.recv_for(&tx).await else { return }; // client gone: cancels the job
+            // a client that leaves ends the loop at once (dropping the receivers cancels the jobs)
+            let got = tokio::select! {
+                got = next_event(&mut events) => got,
+                _ = tx.closed() => return,
+            };
+            let Some((i, ev)) = got else { break };
             let Some(ev) = ev else { break };
-            match step(&mut run, ev) {
+            match step(&mut runs[i], ev) {
                 Ok((s, f)) => {
+                    let run = &mut runs[i];
                     if !s.is_empty() {
-                        let c = with_logprobs(&mut run, chunk(&s, None));
+                        let c = with_logprobs(run, chunk(i, &s, None));
                         run.text_len += s.len();
                         if tx.send(sse(&c)).is_err() {
                             return;
                         }
                     }
                     if let Some(f) = f {
-                        let c = with_logprobs(&mut run, chunk("", Some(f)));
+                        let c = with_logprobs(run, chunk(i, "", Some(f)));
                         let _ = tx.send(sse(&c));
-                        if gen.include_usage {
-                            let mut u = chunk("", None);
-                            u["choices"] = json!([]);
-                            u["usage"] = usage(prompt.len(), run.tokens.len(), run.reused, 0);
-                            let _ = tx.send(sse(&u));
-                        }
-                        let _ = tx.send(Ok(Event::default().data("[DONE]")));
-                        return;
+                        events[i] = None;
+                        finished += 1;
                     }
                 }
                 Err(e) => {
@@ -955,8 +1011,18 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
                 }
             }
         }
-        metrics.error("generation");
-        let _ = tx.send(sse(&ApiError::internal("the engine stopped during generation").body()));
+        if finished < runs.len() {
+            metrics.error("generation");
+            let _ = tx.send(sse(&ApiError::internal("the engine stopped during generation").body()));
+            let _ = tx.send(Ok(Event::default().data("[DONE]")));
+            return;
+        }
+        if gen.include_usage {
+            let mut u = chunk(0, "", None);
+            u["choices"] = json!([]);
+            u["usage"] = total_usage(&runs);
+            let _ = tx.send(sse(&u));
+        }
         let _ = tx.send(Ok(Event::default().data("[DONE]")));
     });
     let stream = futures_util::stream::unfold(out_rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });

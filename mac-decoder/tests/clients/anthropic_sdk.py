@@ -8,6 +8,7 @@ equals the whole reply with the same seed), thinking on/off, output_config.forma
 count_tokens against the reply's usage, and errors as the SDK's exception types. Prints one line
 per check; exits non-zero on the first failure.
 """
+import concurrent.futures
 import json
 import sys
 
@@ -99,8 +100,8 @@ for seed in range(5):
 print("ok output_config.format")
 
 # A forced tool: 20 of 20 replies are one schema-valid tool_use block of that tool.
-good = 0
-for seed in range(20):
+# (Eight at a time: the server decodes concurrent requests in one batch.)
+def forced(seed):
     r = client.messages.create(
         model=model, max_tokens=200, messages=msgs, tools=TOOLS, tool_choice={"type": "tool", "name": "set_mode"},
         extra_body={"seed": seed},
@@ -109,7 +110,11 @@ for seed in range(20):
     ok = len(uses) == 1 and uses[0].name == "set_mode" and valid(uses[0].input) and r.stop_reason == "tool_use"
     if not ok:
         print("  bad:", r)
-    good += ok
+    return ok
+
+
+with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+    good = sum(pool.map(forced, range(20)))
 print(f"forced tool: {good}/20 tool_use blocks")
 check(good == 20, "forced tool")
 

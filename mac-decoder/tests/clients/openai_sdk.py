@@ -157,5 +157,7 @@ for chunk in client.chat.completions.create(
         usage = chunk.usage
 check(got == {0: texts[0], 1: texts[1]}, f"streamed n=2 {got} vs {texts[:2]}")
 check(set(finishes) == {0, 1} and usage is not None and usage.prompt_tokens == r.usage.prompt_tokens, "streamed n=2 finish and usage")
+c = client.completions.create(model=model, prompt="Hello", max_tokens=5, n=2, seed=3)
+check([x.index for x in c.choices] == [0, 1] and 2 <= c.usage.completion_tokens <= 10, f"completions n=2 {c}")
 print("ok n > 1")
 print("ALL OK")
