@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod cli;
 pub mod generate;
+pub mod memory;
 pub mod sampler;
 pub mod server;
 #[cfg(feature = "mlx")]

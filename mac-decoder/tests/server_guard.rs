@@ -227,3 +227,67 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     stop_tx.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(10), server).await.expect("the server did not stop").unwrap().unwrap();
 }
+
+/// Request preparation runs off the async workers (issue 21: tokenization ran on them, so
+/// `/health` stalled 4–5 s under large bodies). Three large completions (a text prompt of about
+/// 4 MB each, tokenized, then refused: far past the context) are sent while `/health` is polled
+/// from another thread; `/health` must answer within a quarter of the time the quickest large
+/// request took. Before, with the server's two workers busy tokenizing, it waited about as long
+/// as a large request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_body_does_not_stall_other_requests() {
+    let s = start(None, GuardOptions::default(), Duration::ZERO).await;
+    let addr = s.addr;
+    // Varied words, so the tokenizer does real work on every one.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut text = String::with_capacity(4 << 20);
+    while text.len() < 4 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = 2 + (x % 9) as usize;
+        text.extend((0..len).map(|k| (b'a' + ((x >> (5 * k)) % 26) as u8) as char));
+        text.push(if x % 7 == 0 { '\n' } else { ' ' });
+    }
+    let body = Arc::new(json!({"prompt": text, "max_tokens": 1}).to_string());
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json";
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let health = std::thread::spawn({
+        let done = done.clone();
+        move || {
+            let mut worst = 0.0f64;
+            let mut n = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                let (code, _) = raw(addr, "GET /health HTTP/1.1\r\nHost: 127.0.0.1", "");
+                assert_eq!(code, 200);
+                worst = worst.max(t.elapsed().as_secs_f64());
+                n += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (worst, n)
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let big: Vec<_> = (0..3)
+        .map(|_| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let (code, out) = raw(addr, head, &body);
+                (code, out, t.elapsed().as_secs_f64())
+            })
+        })
+        .collect();
+    let big: Vec<_> = big.into_iter().map(|h| h.join().unwrap()).collect();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (worst, polls) = health.join().unwrap();
+    let quickest = big.iter().map(|b| b.2).fold(f64::MAX, f64::min);
+    eprintln!("large requests took {:?} s; /health answered {polls} times, worst {worst:.3} s", big.iter().map(|b| (b.2 * 1000.0).round() / 1000.0).collect::<Vec<_>>());
+    for (code, out, _) in &big {
+        assert_eq!(*code, 400, "{}", &out[..out.len().min(400)]);
+        assert!(out.contains("context_length_exceeded"), "{}", &out[..out.len().min(400)]);
+    }
+    assert!(quickest > 0.2, "a large body took only {quickest:.3} s to prepare: too quick to show a stall on this machine");
+    assert!(worst < quickest / 4.0, "/health waited {worst:.3} s while large bodies were prepared ({quickest:.3} s each at least)");
+}

@@ -2,14 +2,19 @@
 //! QUIC) and `k3-decode serve`'s HTTP server (MLX engine, synthetic tiny model, prefilling long
 //! prompts on the node) — under mixed load for a bounded time: streamed and plain chats, streams
 //! abandoned after their first events, image requests, short local and long remote prefills,
-//! malformed and unwanted requests. Every answer must be correct in kind (200 with a body, or a
-//! clean 4xx / 429 / 503); resident memory and open descriptors must stay flat between the end of
-//! the warm-up and the end.
+//! malformed and unwanted requests. The decoder reaches the node through a faulty relay that
+//! cycles through a clean phase, a lossy one (datagrams dropped, corrupted, duplicated) and a
+//! stall (every datagram held longer than the QUIC idle timeout, then released late), so
+//! hand-offs break mid-transfer. Every answer must be correct in kind (200 with a body, or a
+//! clean 4xx / 429 / 503: a broken hand-off falls back to a local prefill); some prefills must
+//! complete on the node and some must fall back; resident memory and open descriptors must stay
+//! flat between the end of the warm-up and the end.
 //!
 //! Short form (CI): `K3_SOAK_SECS` unset → 40 s of load. Long form by hand:
 //! `K3_SOAK_SECS=600 cargo test -p mac-decoder --release --test soak -- --nocapture`.
 #![cfg(feature = "mlx")]
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,6 +57,149 @@ fn png(w: u32, h: u32, seed: u32) -> String {
     format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(out.into_inner()))
 }
 
+/// What the relay does to datagrams at a moment of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Clean,
+    /// Drop 10 %, corrupt 5 % (one byte flipped), duplicate 5 %.
+    Lossy,
+    /// Hold every datagram; release them all when the phase ends (by then the QUIC idle timeout
+    /// has passed, so the connection is gone and they arrive at a closed one).
+    Stall,
+}
+
+/// The relay's cycle: 4 s clean, 3 s lossy, 5 s stalled.
+fn phase(t: Duration) -> Phase {
+    match t.as_millis() % 12_000 {
+        0..=3_999 => Phase::Clean,
+        4_000..=6_999 => Phase::Lossy,
+        _ => Phase::Stall,
+    }
+}
+
+#[derive(Default)]
+struct RelayTally {
+    forwarded: AtomicU64,
+    dropped: AtomicU64,
+    corrupted: AtomicU64,
+    duplicated: AtomicU64,
+    held: AtomicU64,
+}
+
+/// A UDP relay in front of `node` applying [`phase`] to both directions; returns its address.
+async fn faulty_relay(node: SocketAddr, t0: Instant, tally: Arc<RelayTally>) -> SocketAddr {
+    use tokio::net::UdpSocket;
+    let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+    let addr = front.local_addr().unwrap();
+    // One upstream socket per decoder address; the held datagrams: (to node?, peer, bytes).
+    type Held = Arc<std::sync::Mutex<Vec<(Option<Arc<UdpSocket>>, SocketAddr, Vec<u8>)>>>;
+    let held: Held = Default::default();
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut coin = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % 100
+    };
+    // Sends one datagram through the current phase.
+    async fn pass(sock: &UdpSocket, to: SocketAddr, mut d: Vec<u8>, p: Phase, roll: (u64, u64), t: &RelayTally) {
+        if p == Phase::Lossy {
+            if roll.0 < 10 {
+                t.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            if roll.0 < 15 && !d.is_empty() {
+                let i = roll.1 as usize % d.len();
+                d[i] ^= 0x5a;
+                t.corrupted.fetch_add(1, Ordering::Relaxed);
+            } else if roll.0 < 20 {
+                let _ = sock.send_to(&d, to).await;
+                t.duplicated.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let _ = sock.send_to(&d, to).await;
+        t.forwarded.fetch_add(1, Ordering::Relaxed);
+    }
+    // Releases what a stall held, once the stall is over.
+    tokio::spawn({
+        let (held, front, tally) = (held.clone(), front.clone(), tally.clone());
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if phase(t0.elapsed()) == Phase::Stall {
+                    continue;
+                }
+                let batch = std::mem::take(&mut *held.lock().unwrap());
+                for (up, to, d) in batch {
+                    let sock = up.as_deref().unwrap_or(&front);
+                    pass(sock, to, d, Phase::Clean, (100, 0), &tally).await;
+                }
+            }
+        }
+    });
+    tokio::spawn(async move {
+        let mut ups: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let Ok((n, from)) = front.recv_from(&mut buf).await else { return };
+            let up = match ups.get(&from) {
+                Some(u) => u.clone(),
+                None => {
+                    let u = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+                    ups.insert(from, u.clone());
+                    // The node's answers to this decoder address.
+                    let (u2, front, held, tally) = (u.clone(), front.clone(), held.clone(), tally.clone());
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 65536];
+                        let mut rng = from.port() as u64 | 1 << 40;
+                        loop {
+                            let Ok((n, _)) = u2.recv_from(&mut buf).await else { return };
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            let p = phase(t0.elapsed());
+                            if p == Phase::Stall {
+                                let mut h = held.lock().unwrap();
+                                if h.len() < 20_000 {
+                                    h.push((None, from, buf[..n].to_vec()));
+                                    tally.held.fetch_add(1, Ordering::Relaxed);
+                                }
+                                continue;
+                            }
+                            pass(&front, from, buf[..n].to_vec(), p, (rng % 100, rng >> 32), &tally).await;
+                        }
+                    });
+                    u
+                }
+            };
+            let p = phase(t0.elapsed());
+            if p == Phase::Stall {
+                let mut h = held.lock().unwrap();
+                if h.len() < 20_000 {
+                    h.push((Some(up), node, buf[..n].to_vec()));
+                    tally.held.fetch_add(1, Ordering::Relaxed);
+                }
+                continue;
+            }
+            let roll = (coin(), coin() * 7919);
+            pass(&up, node, buf[..n].to_vec(), p, roll, &tally).await;
+        }
+    });
+    addr
+}
+
+/// QUIC limits that notice the relay's stalls within seconds (a stall outlasts the idle timeout).
+fn soak_tuning() -> Tuning {
+    Tuning {
+        idle_timeout: Duration::from_secs(4),
+        keep_alive: Duration::from_secs(1),
+        heartbeat: Duration::from_secs(1),
+        inactivity_timeout: Duration::from_secs(30),
+        stall_timeout: Duration::from_secs(4),
+        ..Tuning::default()
+    }
+}
+
 fn start_node(dir: &Path, cfg: NodeConfig) -> PrefillNode {
     let ck = Arc::new(Checkpoint::open(dir).unwrap());
     let model = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
@@ -65,7 +213,9 @@ async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> Str
     let mut ro = RemoteOptions::new(node.to_string());
     ro.min_tokens = Some(48);
     ro.connect_timeout = Duration::from_secs(5);
+    ro.retry_after = Duration::from_secs(2);
     ro.chunk_bytes = 16 << 10;
+    ro.tuning = soak_tuning();
     let engine = EngineHandle::spawn(
         move || MlxEngine::load(&dir, EngineOptions::default(), 0)?.with_remote_config(ro, client),
         StoreOptions { max_sessions: 8, max_bytes: 256 << 20, checkpoints: true },
@@ -155,13 +305,15 @@ fn soak_both_servers_under_mixed_load() {
     let (s, c) = (NodeIdentity::generate().unwrap(), NodeIdentity::generate().unwrap());
     let mut scfg = NodeConfig::new(s.clone(), PeerAuth::pinned(c.fingerprint()), fp, "cpu");
     let mut ccfg = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), fp, "mlx");
-    scfg.tuning = Tuning::default();
-    ccfg.tuning = Tuning::default();
+    scfg.tuning = soak_tuning();
+    ccfg.tuning = soak_tuning();
     let node = start_node(dir.path(), scfg);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let base = rt.block_on(start_server(dir.path(), node.local_addr(), ccfg));
-    let tally = Arc::new(Tally::default());
     let t0 = Instant::now();
+    let relay_tally = Arc::new(RelayTally::default());
+    let relay = rt.block_on(faulty_relay(node.local_addr(), t0, relay_tally.clone()));
+    let base = rt.block_on(start_server(dir.path(), relay, ccfg));
+    let tally = Arc::new(Tally::default());
     let warmup = Duration::from_secs(secs / 4);
     let end = Duration::from_secs(secs);
     let baseline = Arc::new(std::sync::Mutex::new(None::<(f64, usize)>));
@@ -193,6 +345,20 @@ fn soak_both_servers_under_mixed_load() {
     let (rss0, fds0) = baseline.lock().unwrap().expect("the warm-up ended");
     let (rss1, fds1) = (rss_mb(), open_fds());
     let snap = node.snapshot();
+    let metrics = rt.block_on(async { reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap() });
+    let counter = |name: &str| -> f64 {
+        metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    let (remote, fallbacks) = (counter("k3_prefill_tokens_total{where=\"remote\"}"), counter("k3_prefill_fallbacks_total"));
+    let r = &relay_tally;
+    eprintln!(
+        "relay: forwarded {} dropped {} corrupted {} duplicated {} held by stalls {}; decoder: remote prefill tokens {remote}, fallbacks {fallbacks}",
+        r.forwarded.load(Ordering::Relaxed),
+        r.dropped.load(Ordering::Relaxed),
+        r.corrupted.load(Ordering::Relaxed),
+        r.duplicated.load(Ordering::Relaxed),
+        r.held.load(Ordering::Relaxed),
+    );
     eprintln!(
         "soak {secs} s: ok {} busy {} client-errors {} abandoned {}; node requests {} completed {} failed {}; \
          RSS {rss0:.0} → {rss1:.0} MB; fds {fds0} → {fds1}",
@@ -206,6 +372,9 @@ fn soak_both_servers_under_mixed_load() {
     );
     assert!(tally.ok.load(Ordering::Relaxed) >= 10, "too few successful requests");
     assert!(snap.counters.completed >= 1, "no prefill completed on the node");
+    assert!(remote > 0.0, "no remote prefill reached the decoder through the relay");
+    assert!(r.dropped.load(Ordering::Relaxed) > 0 && r.corrupted.load(Ordering::Relaxed) > 0 && r.held.load(Ordering::Relaxed) > 0, "the relay's faults did not happen");
+    assert!(fallbacks >= 1.0, "no hand-off broke: the faulty relay did not reach a transfer");
     assert!(rss1 - rss0 < 150.0, "RSS grew from {rss0:.0} to {rss1:.0} MB after the warm-up");
     assert!(fds1 <= fds0 + 16, "open descriptors grew from {fds0} to {fds1}");
 }

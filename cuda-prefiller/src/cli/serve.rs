@@ -5,8 +5,11 @@
 //!
 //! Pairing: the node's certificate lives in `--config-dir` (default
 //! `~/.config/k3-offload/prefill`, created on first run). Give the decoder this node's
-//! fingerprint (printed at start) and pass the decoder's with `--decoder-fingerprint` (saved in
-//! `pinned-peers.txt`, so later starts remember it). `--insecure-dev` skips pinning on loopback.
+//! fingerprint (printed at start) and pass the decoder's with `--decoder-fingerprint`. Explicit
+//! values REPLACE the saved pins for the run (a decoder paired before is refused unless named
+//! again) and are saved in `pinned-peers.txt`, replacing the earlier `decoder` entries, once a
+//! decoder has proved it holds one; later starts without the flag use the saved pins.
+//! `--insecure-dev` skips pinning on loopback.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -72,7 +75,8 @@ pub struct Args {
     /// Where this node's certificate and pinned peers live.
     #[arg(long)]
     pub config_dir: Option<PathBuf>,
-    /// Pin a decoder's certificate (sha256:...); repeatable; saved for later starts.
+    /// Trust only this decoder certificate (sha256:...) for this run; repeatable. Replaces the
+    /// saved pins; saved for later starts once a decoder has proved it.
     #[arg(long)]
     pub decoder_fingerprint: Vec<String>,
     /// Memory for session prefixes kept between turns, e.g. 16GiB.
@@ -119,9 +123,22 @@ impl Args {
     }
 }
 
-/// The node's identity and who it trusts.
+/// The `--decoder-fingerprint` values, parsed.
+fn explicit_pins(args: &Args) -> anyhow::Result<Vec<CertFingerprint>> {
+    args.decoder_fingerprint
+        .iter()
+        .map(|fp| CertFingerprint::parse(fp).with_context(|| format!("--decoder-fingerprint {fp}: expected sha256:<64 hex digits>")))
+        .collect()
+}
+
+fn config_dir(args: &Args) -> PathBuf {
+    args.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Prefill))
+}
+
+/// The node's identity and who it trusts: the explicit `--decoder-fingerprint` values when
+/// given (replacing the saved pins for this run), else the saved pins.
 fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
-    let dir = args.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Prefill));
+    let dir = config_dir(args);
     let identity = NodeIdentity::load_or_create(&dir)?;
     if args.insecure_dev {
         if !args.listen.ip().is_loopback() {
@@ -132,13 +149,15 @@ fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
         }
         return Ok((identity, PeerAuth::InsecureDev));
     }
-    let mut pinned = PinnedPeers::load(&dir)?;
-    for fp in &args.decoder_fingerprint {
-        let f = CertFingerprint::parse(fp).with_context(|| format!("--decoder-fingerprint {fp}: expected sha256:<64 hex digits>"))?;
-        pinned.add_and_save(&dir, f, "decoder")?;
-        tracing::info!(fingerprint = %f, dir = %dir.display(), "decoder pinned");
-    }
+    let explicit = explicit_pins(args)?;
     eprintln!("{}", identity.pairing_text(NodeRole::Prefill));
+    if !explicit.is_empty() {
+        for f in &explicit {
+            tracing::info!(fingerprint = %f, "decoder pinned for this run (saved once it connects)");
+        }
+        return Ok((identity, PeerAuth::Pinned(explicit)));
+    }
+    let pinned = PinnedPeers::load(&dir)?;
     if pinned.peers.is_empty() {
         bail!(
             "no decoder is paired with this node: pass --decoder-fingerprint sha256:... (the decoder's \
@@ -146,6 +165,24 @@ fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
         );
     }
     Ok((identity, PeerAuth::Pinned(pinned.fingerprints())))
+}
+
+/// After a decoder proved `cert` in a handshake: when it is one of the explicit
+/// `--decoder-fingerprint` values, the saved `decoder` pins become the explicit values proved so
+/// far (earlier decoders are no longer trusted by later starts).
+fn save_verified_pin(dir: &std::path::Path, explicit: &[CertFingerprint], cert: CertFingerprint) -> anyhow::Result<()> {
+    if !explicit.contains(&cert) {
+        return Ok(());
+    }
+    let mut pinned = PinnedPeers::load(dir)?;
+    let saved = |f: &CertFingerprint, p: &PinnedPeers| p.peers.iter().any(|(g, n)| g == f && n == "decoder");
+    if saved(&cert, &pinned) && pinned.peers.iter().filter(|(_, n)| n == "decoder").all(|(g, _)| explicit.contains(g)) {
+        return Ok(());
+    }
+    pinned.peers.retain(|(g, n)| n != "decoder" || explicit.contains(g));
+    pinned.add_and_save(dir, cert, "decoder")?;
+    tracing::info!(fingerprint = %cert, dir = %dir.display(), "decoder pin saved");
+    Ok(())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -201,6 +238,15 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     if stream {
         opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
     }
+    let explicit = explicit_pins(args)?;
+    if !explicit.is_empty() && !args.insecure_dev {
+        let dir = config_dir(args);
+        opts.on_verified = Some(crate::server::OnVerified(Arc::new(move |cert| {
+            if let Err(e) = save_verified_pin(&dir, &explicit, cert) {
+                tracing::warn!("could not save the decoder pin: {e:#}");
+            }
+        })));
+    }
     tracing::info!(
         model = %args.model.display(),
         fingerprint = %fingerprint.short(),
@@ -253,5 +299,46 @@ mod tests {
         let e = peer_auth(&parse("0.0.0.0:9100")).err().expect("refused").to_string();
         assert!(e.contains("--metrics-listen 0.0.0.0:9100") && e.contains("loopback"), "{e}");
         assert!(matches!(peer_auth(&parse("127.0.0.1:9100")).unwrap().1, PeerAuth::InsecureDev));
+    }
+
+    /// Issue 21: pins only accumulated. After one pairing, `--decoder-fingerprint` with another
+    /// value still trusted the old decoder, and the (unproved) value was appended to
+    /// `pinned-peers.txt` at start.
+    #[test]
+    fn an_explicit_decoder_fingerprint_replaces_the_saved_pins_and_is_saved_only_once_proved() {
+        let dir = tempfile::tempdir().unwrap();
+        let fp = |b: u8| CertFingerprint([b; 32]);
+        let (old, new, other) = (fp(0xaa), fp(0xbb), fp(0xcc));
+        let mut saved = PinnedPeers::default();
+        saved.add_and_save(dir.path(), old, "decoder").unwrap();
+        let file = || std::fs::read_to_string(dir.path().join("pinned-peers.txt")).unwrap();
+        let before = file();
+        let args = |pins: &[CertFingerprint]| {
+            let mut v = vec!["serve".to_string(), "--model".into(), "m".into(), "--config-dir".into(), dir.path().to_str().unwrap().into()];
+            for p in pins {
+                v.extend(["--decoder-fingerprint".to_string(), p.to_string()]);
+            }
+            Cli::try_parse_from(v).unwrap().args
+        };
+        // Without the flag: the saved pin.
+        let PeerAuth::Pinned(p) = peer_auth(&args(&[])).unwrap().1 else { panic!("pinned expected") };
+        assert_eq!(p, vec![old]);
+        // With it: only the explicit value is trusted, and nothing is written yet.
+        let PeerAuth::Pinned(p) = peer_auth(&args(&[new])).unwrap().1 else { panic!("pinned expected") };
+        assert_eq!(p, vec![new], "the old decoder must not be trusted");
+        assert_eq!(file(), before, "an unproved fingerprint was saved");
+        // A decoder that is not an explicit value changes nothing; the explicit one, once proved,
+        // replaces the old pin.
+        save_verified_pin(dir.path(), &[new], other).unwrap();
+        assert_eq!(file(), before);
+        save_verified_pin(dir.path(), &[new], new).unwrap();
+        assert_eq!(PinnedPeers::load(dir.path()).unwrap().peers, vec![(new, "decoder".to_string())]);
+        let PeerAuth::Pinned(p) = peer_auth(&args(&[])).unwrap().1 else { panic!("pinned expected") };
+        assert_eq!(p, vec![new]);
+        // A malformed value is an error naming it.
+        let mut a = args(&[]);
+        a.decoder_fingerprint = vec!["sha256:00".into()];
+        let e = format!("{:#}", peer_auth(&a).err().unwrap());
+        assert!(e.contains("--decoder-fingerprint sha256:00"), "{e}");
     }
 }

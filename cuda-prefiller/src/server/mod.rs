@@ -63,6 +63,19 @@ pub struct ServeOptions {
     /// second (the CPU stand-in for a PC's NVMe; the node measures and advertises that pass).
     #[doc(hidden)]
     pub source_bytes_per_s: Option<f64>,
+    /// Called with the certificate of each decoder whose handshake succeeded (`serve` saves an
+    /// explicitly given `--decoder-fingerprint` only once a decoder has proved it).
+    pub on_verified: Option<OnVerified>,
+}
+
+/// A callback on a verified decoder certificate (see [`ServeOptions::on_verified`]).
+#[derive(Clone)]
+pub struct OnVerified(pub Arc<dyn Fn(k3_protocol::transport::CertFingerprint) + Send + Sync>);
+
+impl std::fmt::Debug for OnVerified {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnVerified(..)")
+    }
 }
 
 impl Default for ServeOptions {
@@ -77,6 +90,7 @@ impl Default for ServeOptions {
             streamed: None,
             metrics_listen: None,
             source_bytes_per_s: None,
+            on_verified: None,
         }
     }
 }
@@ -293,6 +307,9 @@ async fn serve(server: PrefillServer, sh: Arc<Shared>, mut stop: watch::Receiver
         match next {
             Some(Ok(conn)) => {
                 sh.metrics.update(|c| c.connections += 1);
+                if let (Some(f), Some(cert)) = (&sh.opts.on_verified, conn.peer().certificate) {
+                    (f.0)(cert);
+                }
                 conns.spawn(serve_connection(conn, sh.clone()));
             }
             Some(Err(e)) => {

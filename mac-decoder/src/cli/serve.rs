@@ -29,7 +29,8 @@ pub struct Args {
     /// Do not keep turn-boundary checkpoints (less memory; reuse then needs the exact reply).
     #[arg(long)]
     pub no_checkpoints: bool,
-    /// Context limit in tokens (0: the config's `max_position_embeddings`).
+    /// Context limit in tokens, prompt + generated (0: what half the memory available at start
+    /// holds, or `K3_CONTEXT_MEMORY_BYTES`, capped by the config's `max_position_embeddings`).
     #[arg(long, default_value_t = 0)]
     pub max_context: usize,
     /// Default `max_tokens` of a chat completion.

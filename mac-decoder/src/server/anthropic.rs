@@ -38,7 +38,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, ChatRequest};
-use super::{chat_prompt, fail, finish_all, now_secs, start_chat, AppState, ChatJob, ChatStep};
+use super::{chat_prompt, fail, finish_all, now_secs, off_runtime, start_chat, AppState, ChatJob, ChatStep};
 use crate::chat::parse::{FinishReason, OutputEvent, ToolCall};
 use crate::chat::Json;
 use super::worker::GenEvent;
@@ -356,11 +356,12 @@ pub fn messages_request(v: &Json, served_model: &str, seed_fallback: u64, count:
 pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     st.metrics.request("messages");
     let n = st.next_id();
-    let v = match api::parse_body(&body) {
-        Ok(v) => v,
-        Err(e) => return fail(&st, e),
-    };
-    let req = match messages_request(&v, &st.model_id, st.seed(n), false) {
+    let req = match off_runtime({
+        let st = st.clone();
+        move || messages_request(&api::parse_body(&body)?, &st.model_id, st.seed(n), false)
+    })
+    .await
+    {
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
@@ -380,11 +381,12 @@ pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt the same body would run.
 pub async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     st.metrics.request("count_tokens");
-    let v = match api::parse_body(&body) {
-        Ok(v) => v,
-        Err(e) => return fail(&st, e),
-    };
-    let req = match messages_request(&v, &st.model_id, 0, true) {
+    let req = match off_runtime({
+        let st = st.clone();
+        move || messages_request(&api::parse_body(&body)?, &st.model_id, 0, true)
+    })
+    .await
+    {
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };

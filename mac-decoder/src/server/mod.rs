@@ -12,6 +12,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod context;
 pub mod engine;
 pub mod guard;
 pub mod metrics;
@@ -180,46 +181,54 @@ async fn model_info(State(st): State<Arc<AppState>>, axum::extract::Path(id): ax
 /// rendered `text` and `segments` (`[[string, is_special], ...]`).
 async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     st.metrics.request("tokenize");
-    let v = match api::parse_body(&body) {
-        Ok(v) => v,
-        Err(e) => return fail(&st, e),
-    };
-    let strs = v.get("return_token_strs").is_some_and(|b| matches!(b, crate::chat::Json::Bool(true)));
-    let mut out = if v.get("messages").is_some() {
-        let req = match api::chat_request(&v, &st.model_id, 0) {
-            Ok(r) => r,
-            Err(e) => return fail(&st, e),
-        };
-        match api::render_json(&st.tokenizer, &req) {
-            Ok(r) => r,
-            Err(e) => return fail(&st, e),
+    match off_runtime({
+        let st = st.clone();
+        move || {
+            let v = api::parse_body(&body)?;
+            let strs = v.get("return_token_strs").is_some_and(|b| matches!(b, crate::chat::Json::Bool(true)));
+            let mut out = if v.get("messages").is_some() {
+                let req = api::chat_request(&v, &st.model_id, 0)?;
+                api::render_json(&st.tokenizer, &req)?
+            } else {
+                match v.get("prompt").and_then(crate::chat::Json::as_str) {
+                    Some(p) => match st.tokenizer.encode(p, true) {
+                        Ok(ids) => json!({"ids": ids}),
+                        Err(e) => return Err(ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
+                    },
+                    None => return Err(ApiError::bad_request("give `messages` (a chat request) or a string `prompt`", Some("prompt"))),
+                }
+            };
+            let ids: Vec<u32> = out["ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default();
+            out["count"] = json!(ids.len());
+            out["max_model_len"] = json!(st.engine.max_context);
+            if strs {
+                out["token_strs"] = json!(ids.iter().map(|&i| st.tokenizer.decode(&[i])).collect::<Vec<_>>());
+            }
+            out["tokens"] = json!(ids);
+            if let Some(o) = out.as_object_mut() {
+                o.remove("ids");
+            }
+            Ok(out)
         }
-    } else {
-        match v.get("prompt").and_then(crate::chat::Json::as_str) {
-            Some(p) => match st.tokenizer.encode(p, true) {
-                Ok(ids) => json!({"ids": ids}),
-                Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
-            },
-            None => return fail(&st, ApiError::bad_request("give `messages` (a chat request) or a string `prompt`", Some("prompt"))),
-        }
-    };
-    let ids: Vec<u32> = out["ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default();
-    out["count"] = json!(ids.len());
-    out["max_model_len"] = json!(st.engine.max_context);
-    if strs {
-        out["token_strs"] = json!(ids.iter().map(|&i| st.tokenizer.decode(&[i])).collect::<Vec<_>>());
+    })
+    .await
+    {
+        Ok(out) => AxJson(out).into_response(),
+        Err(e) => fail(&st, e),
     }
-    out["tokens"] = json!(ids);
-    if let Some(o) = out.as_object_mut() {
-        o.remove("ids");
-    }
-    AxJson(out).into_response()
 }
 
 fn fail(st: &AppState, e: ApiError) -> Response {
     st.metrics.error(e.metric_kind());
     tracing::info!(status = e.status.as_u16(), message = %e.message, "request refused");
     e.into_response()
+}
+
+/// Runs a request's CPU-heavy preparation (JSON parsing, base64 and image decoding, rendering,
+/// tokenizing: seconds for a body of tens of MB) on tokio's blocking pool, so a large body does
+/// not hold one of the few async workers that every other request (`/health`, streams) needs.
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("request preparation stopped: {e}")))?
 }
 
 /// Resolves `max_tokens` against the context and queues the job.
@@ -454,11 +463,12 @@ impl ChatRun {
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     st.metrics.request("chat_completions");
     let n = st.next_id();
-    let v = match api::parse_body(&body) {
-        Ok(v) => v,
-        Err(e) => return fail(&st, e),
-    };
-    let req = match api::chat_request(&v, &st.model_id, st.seed(n)) {
+    let req = match off_runtime({
+        let st = st.clone();
+        move || api::chat_request(&api::parse_body(&body)?, &st.model_id, st.seed(n))
+    })
+    .await
+    {
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
@@ -587,33 +597,35 @@ async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_prefix: &str)
     Ok(ChatJob { prompt, events, runs })
 }
 
-/// Renders and tokenizes a chat request. Images are decoded and pre-processed here (off the
-/// async threads), their media blocks rendered, and each image's single `<|media_pad|>` expanded
-/// into as many pads as the image has feature rows; the engine thread runs the tower.
-async fn chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<JobImage>), ApiError> {
+/// Renders and tokenizes a chat request on tokio's blocking pool ([`off_runtime`]): images are
+/// decoded and pre-processed, their media blocks rendered, and each image's single
+/// `<|media_pad|>` expanded into as many pads as the image has feature rows; the engine thread
+/// runs the tower.
+async fn chat_prompt(st: &Arc<AppState>, req: &ChatRequest) -> Result<(Vec<u32>, Vec<JobImage>), ApiError> {
+    let (st, req) = (st.clone(), req.clone());
+    off_runtime(move || render_chat_prompt(&st, &req)).await
+}
+
+/// [`chat_prompt`]'s work (blocking).
+fn render_chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Vec<u32>, Vec<JobImage>), ApiError> {
     let mut opts = req.render.clone();
     if !req.images.is_empty() {
         let Some(media) = st.engine.media.clone() else {
             return Err(ApiError::bad_request("this model has no vision tower: image inputs are not accepted", Some("messages")));
         };
-        let inputs = req.images.clone();
-        let cfg = media.config.clone();
-        let prepared = tokio::task::spawn_blocking(move || {
-            inputs
-                .iter()
-                .map(|im| {
-                    let pre = crate::vision::preprocess_bytes(&im.bytes, &cfg)
-                        .map_err(|e| ApiError::bad_request(format!("{}: the image cannot be used: {e}", im.place()), Some("messages")))?;
-                    let digest: [u8; 32] = {
-                        use sha2::Digest;
-                        sha2::Sha256::digest(&im.bytes).into()
-                    };
-                    Ok((pre, digest))
-                })
-                .collect::<Result<Vec<_>, ApiError>>()
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("image pre-processing stopped: {e}")))??;
+        let prepared = req
+            .images
+            .iter()
+            .map(|im| {
+                let pre = crate::vision::preprocess_bytes(&im.bytes, &media.config)
+                    .map_err(|e| ApiError::bad_request(format!("{}: the image cannot be used: {e}", im.place()), Some("messages")))?;
+                let digest: [u8; 32] = {
+                    use sha2::Digest;
+                    sha2::Sha256::digest(&im.bytes).into()
+                };
+                Ok((pre, digest))
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?;
         opts.image_prompts = Some(
             prepared
                 .iter()
@@ -825,20 +837,24 @@ async fn chat_stream(st: Arc<AppState>, mut job: ChatJob, id: String, model: Str
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     st.metrics.request("completions");
     let n = st.next_id();
-    let v = match api::parse_body(&body) {
-        Ok(v) => v,
+    let (req, prompt) = match off_runtime({
+        let st = st.clone();
+        move || {
+            let v = api::parse_body(&body)?;
+            let req = api::completion_request(&v, &st.model_id, st.tokenizer.vocab_size() as usize, st.seed(n))?;
+            let prompt = match &req.prompt {
+                Prompt::Ids(ids) => ids.clone(),
+                Prompt::Text(t) => {
+                    st.tokenizer.encode(t, true).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt")))?
+                }
+            };
+            Ok((req, prompt))
+        }
+    })
+    .await
+    {
+        Ok(x) => x,
         Err(e) => return fail(&st, e),
-    };
-    let req = match api::completion_request(&v, &st.model_id, st.tokenizer.vocab_size() as usize, st.seed(n)) {
-        Ok(r) => r,
-        Err(e) => return fail(&st, e),
-    };
-    let prompt = match &req.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(t) => match st.tokenizer.encode(t, true) {
-            Ok(p) => p,
-            Err(e) => return fail(&st, ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
-        },
     };
     if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
         if prompt.contains(&pad) {

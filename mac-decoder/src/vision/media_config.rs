@@ -55,27 +55,9 @@ pub fn tower_bytes_per_patch(v: &k3_protocol::VisionConfig) -> usize {
 }
 
 /// Memory the vision tower may use: `K3_VISION_MEMORY_BYTES` if set, else half the memory
-/// available now (Linux `MemAvailable`; macOS physical memory / 4), else `None` (unbounded).
+/// available now ([`crate::memory::budget`]), else `None` (unbounded).
 pub fn vision_memory_budget() -> Option<u64> {
-    if let Some(v) = std::env::var("K3_VISION_MEMORY_BYTES").ok().and_then(|v| v.trim().parse().ok()) {
-        return Some(v);
-    }
-    #[cfg(target_os = "linux")]
-    {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let kb: u64 = text.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kb * 1024 / 2)
-    }
-    #[cfg(target_os = "macos")]
-    {
-        let out = std::process::Command::new("sysctl").args(["-n", "hw.memsize"]).output().ok()?;
-        let bytes: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
-        Some(bytes / 4)
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
-    {
-        None
-    }
+    crate::memory::budget("K3_VISION_MEMORY_BYTES")
 }
 
 /// Most patches a memory budget holds: the budget less three attention score blocks (a block,
