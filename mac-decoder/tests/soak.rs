@@ -84,7 +84,12 @@ struct RelayTally {
     corrupted: AtomicU64,
     duplicated: AtomicU64,
     held: AtomicU64,
+    /// Upstream sockets open now (one per decoder address seen in the last 10 s, as a NAT keeps).
+    upstreams: AtomicU64,
 }
+
+/// An upstream socket unused this long is closed (its decoder endpoint is gone).
+const RELAY_IDLE: Duration = Duration::from_secs(10);
 
 /// A UDP relay in front of `node` applying [`phase`] to both directions; returns its address.
 async fn faulty_relay(node: SocketAddr, t0: Instant, tally: Arc<RelayTally>) -> SocketAddr {
@@ -138,22 +143,42 @@ async fn faulty_relay(node: SocketAddr, t0: Instant, tally: Arc<RelayTally>) -> 
         }
     });
     tokio::spawn(async move {
-        let mut ups: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+        // Per decoder address: the upstream socket and when it was last used (ms since t0).
+        type Ups = Arc<std::sync::Mutex<HashMap<SocketAddr, (Arc<UdpSocket>, Arc<AtomicU64>)>>>;
+        let ups: Ups = Default::default();
+        let now_ms = move || t0.elapsed().as_millis() as u64;
         let mut buf = vec![0u8; 65536];
         loop {
             let Ok((n, from)) = front.recv_from(&mut buf).await else { return };
-            let up = match ups.get(&from) {
-                Some(u) => u.clone(),
+            let known = ups.lock().unwrap().get(&from).cloned();
+            let up = match known {
+                Some((u, last)) => {
+                    last.store(now_ms(), Ordering::Relaxed);
+                    u
+                }
                 None => {
                     let u = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
-                    ups.insert(from, u.clone());
-                    // The node's answers to this decoder address.
-                    let (u2, front, held, tally) = (u.clone(), front.clone(), held.clone(), tally.clone());
+                    let last = Arc::new(AtomicU64::new(now_ms()));
+                    ups.lock().unwrap().insert(from, (u.clone(), last.clone()));
+                    tally.upstreams.fetch_add(1, Ordering::Relaxed);
+                    // The node's answers to this decoder address, until it has been idle for
+                    // RELAY_IDLE; then the socket is closed.
+                    let (u2, front, held, tally, ups) = (u.clone(), front.clone(), held.clone(), tally.clone(), ups.clone());
                     tokio::spawn(async move {
                         let mut buf = vec![0u8; 65536];
                         let mut rng = from.port() as u64 | 1 << 40;
                         loop {
-                            let Ok((n, _)) = u2.recv_from(&mut buf).await else { return };
+                            let r = match tokio::time::timeout(Duration::from_secs(1), u2.recv_from(&mut buf)).await {
+                                Ok(r) => r,
+                                Err(_) if now_ms().saturating_sub(last.load(Ordering::Relaxed)) > RELAY_IDLE.as_millis() as u64 => {
+                                    ups.lock().unwrap().remove(&from);
+                                    tally.upstreams.fetch_sub(1, Ordering::Relaxed);
+                                    return;
+                                }
+                                Err(_) => continue,
+                            };
+                            let Ok((n, _)) = r else { return };
+                            last.store(now_ms(), Ordering::Relaxed);
                             rng ^= rng << 13;
                             rng ^= rng >> 7;
                             rng ^= rng << 17;
@@ -342,6 +367,8 @@ fn soak_both_servers_under_mixed_load() {
     });
     // Let abandoned work and closed connections settle.
     std::thread::sleep(Duration::from_secs(2));
+    // Let the relay close the sockets of decoder endpoints that are gone (a NAT's idle expiry).
+    std::thread::sleep(RELAY_IDLE + Duration::from_secs(2));
     let (rss0, fds0) = baseline.lock().unwrap().expect("the warm-up ended");
     let (rss1, fds1) = (rss_mb(), open_fds());
     let snap = node.snapshot();
@@ -352,12 +379,13 @@ fn soak_both_servers_under_mixed_load() {
     let (remote, fallbacks) = (counter("k3_prefill_tokens_total{where=\"remote\"}"), counter("k3_prefill_fallbacks_total"));
     let r = &relay_tally;
     eprintln!(
-        "relay: forwarded {} dropped {} corrupted {} duplicated {} held by stalls {}; decoder: remote prefill tokens {remote}, fallbacks {fallbacks}",
+        "relay: forwarded {} dropped {} corrupted {} duplicated {} held by stalls {}, upstream sockets open {}; decoder: remote prefill tokens {remote}, fallbacks {fallbacks}",
         r.forwarded.load(Ordering::Relaxed),
         r.dropped.load(Ordering::Relaxed),
         r.corrupted.load(Ordering::Relaxed),
         r.duplicated.load(Ordering::Relaxed),
         r.held.load(Ordering::Relaxed),
+        r.upstreams.load(Ordering::Relaxed),
     );
     eprintln!(
         "soak {secs} s: ok {} busy {} client-errors {} abandoned {}; node requests {} completed {} failed {}; \

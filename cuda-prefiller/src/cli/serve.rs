@@ -314,7 +314,7 @@ mod tests {
         let file = || std::fs::read_to_string(dir.path().join("pinned-peers.txt")).unwrap();
         let before = file();
         let args = |pins: &[CertFingerprint]| {
-            let mut v = vec!["serve".to_string(), "--model".into(), "m".into(), "--config-dir".into(), dir.path().to_str().unwrap().into()];
+            let mut v = vec!["serve".to_string(), "--model".into(), "m".into(), "--listen".into(), "0.0.0.0:7433".into(), "--config-dir".into(), dir.path().to_str().unwrap().into()];
             for p in pins {
                 v.extend(["--decoder-fingerprint".to_string(), p.to_string()]);
             }
