@@ -318,7 +318,7 @@ mod tests {
             for p in pins {
                 v.extend(["--decoder-fingerprint".to_string(), p.to_string()]);
             }
-            Cli::try_parse_from(v).unwrap().args
+            parse_args::<Args>(&v.iter().map(String::as_str).collect::<Vec<_>>()).unwrap()
         };
         // Without the flag: the saved pin.
         let PeerAuth::Pinned(p) = peer_auth(&args(&[])).unwrap().1 else { panic!("pinned expected") };
