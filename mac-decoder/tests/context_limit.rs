@@ -1,9 +1,10 @@
 //! The server's default context limit (issue 21: the default context accepted ~1M-token
 //! requests, the synthetic models' and K3's `max_position_embeddings`, so a request was taken
-//! in and then exhausted memory or ran for hours). Without `--max-context` the limit is what
-//! the context memory budget holds; a request past it gets a clear 400 before anything is
-//! allocated for it. The budget is set small through `K3_CONTEXT_MEMORY_BYTES` (one test in
-//! this binary, so the variable is set before any other code reads it).
+//! in and then exhausted memory or ran for hours). Without `--max-context`, `k3-decode serve`
+//! takes the limit the context memory budget holds (`context::limit`, as here); a request past
+//! it gets a clear 400 before anything is allocated for it. The budget is set small through
+//! `K3_CONTEXT_MEMORY_BYTES` (one test in this binary, so the variable is set before any other
+//! code reads it).
 #![cfg(feature = "mlx")]
 
 use std::sync::Arc;
@@ -36,7 +37,10 @@ async fn a_request_past_the_default_context_limit_is_a_clear_400() {
     let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
     let metrics = Arc::new(Metrics::new());
     let model = dir.path().to_path_buf();
-    let engine = EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), metrics.clone()).unwrap();
+    let weights = k3_protocol::Checkpoint::open(dir.path()).unwrap().total_bytes();
+    let ctx = context::limit(&cfg, chunk, 0, weights);
+    assert_eq!(ctx, LIMIT);
+    let engine = EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), ctx), StoreOptions::default(), metrics.clone()).unwrap();
     assert_eq!(engine.max_context, LIMIT);
     let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

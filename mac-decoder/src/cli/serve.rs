@@ -29,8 +29,9 @@ pub struct Args {
     /// Do not keep turn-boundary checkpoints (less memory; reuse then needs the exact reply).
     #[arg(long)]
     pub no_checkpoints: bool,
-    /// Context limit in tokens, prompt + generated (0: what half the memory available at start
-    /// holds, or `K3_CONTEXT_MEMORY_BYTES`, capped by the config's `max_position_embeddings`).
+    /// Context limit in tokens, prompt + generated (0: what half the memory available beside the
+    /// model at start holds, or `K3_CONTEXT_MEMORY_BYTES`, capped by the config's
+    /// `max_position_embeddings`).
     #[arg(long, default_value_t = 0)]
     pub max_context: usize,
     /// Default `max_tokens` of a chat completion.
@@ -78,7 +79,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let dir = args.model.clone();
     let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), ..Default::default() };
-    let max_context = args.max_context;
+    let ck = k3_protocol::Checkpoint::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+    let max_context = crate::server::context::limit(&ck.config().text_config, args.prefill_chunk, args.max_context, ck.total_bytes());
+    drop(ck);
     let max_batch = args.max_batch;
     let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
     let load = move || {

@@ -1,9 +1,10 @@
 //! The server's default context limit: the longest sequence (prompt + generated) a request may
 //! reach when `--max-context` is not given. The model's `max_position_embeddings` (about 1M
 //! tokens in K3) is what the weights allow, not what this machine holds: a request sized by it
-//! would be accepted and then exhaust memory. The default is the most tokens whose
-//! per-token memory fits the context budget (half the memory available at load, or
-//! `K3_CONTEXT_MEMORY_BYTES`), capped by `max_position_embeddings`.
+//! would be accepted and then exhaust memory. The default (`k3-decode serve` computes it before
+//! loading the model) is the most tokens whose per-token memory fits the context budget (half
+//! the memory available at start beside the model's weights, or `K3_CONTEXT_MEMORY_BYTES`),
+//! capped by `max_position_embeddings`.
 
 use k3_protocol::TextConfig;
 
@@ -36,14 +37,23 @@ pub fn fit(c: &TextConfig, prefill_chunk: usize, budget: Option<u64>) -> usize {
     tokens.max(GRANULE).min(model)
 }
 
+/// The context memory budget: [`BUDGET_VAR`] if set, else half of what is available now beside
+/// `weight_bytes` still to be loaded; `None` where the memory cannot be read.
+pub fn budget(weight_bytes: u64) -> Option<u64> {
+    if let Some(v) = std::env::var(BUDGET_VAR).ok().and_then(|v| v.trim().parse().ok()) {
+        return Some(v);
+    }
+    crate::memory::available_bytes().map(|a| a.saturating_sub(weight_bytes) / 2)
+}
+
 /// The context limit of a server: `requested` when it is not 0 (`--max-context`), else
-/// [`fit`] for this machine's budget ([`crate::memory::budget`] of [`BUDGET_VAR`]). Logged
-/// with how it was chosen.
-pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize) -> usize {
+/// [`fit`] for [`budget`] (`weight_bytes`: the model about to be loaded). Logged with how it
+/// was chosen.
+pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize, weight_bytes: u64) -> usize {
     if requested != 0 {
         return requested;
     }
-    let budget = crate::memory::budget(BUDGET_VAR);
+    let budget = budget(weight_bytes);
     let n = fit(c, prefill_chunk, budget);
     tracing::info!(
         tokens = n,
@@ -76,6 +86,6 @@ mod tests {
         assert_eq!(fit(&c, 256, Some(0)), GRANULE, "never below one granule");
         // a larger chunk costs more per token, so fits fewer
         assert!(fit(&c, 4096, Some(per * 100_000)) < fit(&c, 256, Some(per * 100_000)));
-        assert_eq!(limit(&c, 256, 5000), 5000, "an explicit --max-context is kept");
+        assert_eq!(limit(&c, 256, 5000, 0), 5000, "an explicit --max-context is kept");
     }
 }

@@ -42,12 +42,10 @@ pub struct MlxEngine {
 }
 
 impl MlxEngine {
-    /// Loads the checkpoint; `max_context` 0 means the default limit for this machine's memory
-    /// ([`super::context::limit`]).
+    /// Loads the checkpoint; `max_context` 0 means the config's `max_position_embeddings`.
     pub fn load(dir: &Path, options: EngineOptions, max_context: usize) -> anyhow::Result<Self> {
-        let chunk = options.prefill_chunk;
         let engine = Engine::load_with(dir, options)?;
-        let max_context = super::context::limit(engine.text_config(), chunk, max_context);
+        let max_context = if max_context == 0 { engine.text_config().max_position_embeddings } else { max_context };
         let ck = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         let media = if ck.tensor_names().any(|n| n == VISION_PROBE) {
             match MediaProcConfig::load(dir, &ck.config().vision_config) {
