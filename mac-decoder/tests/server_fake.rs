@@ -705,6 +705,21 @@ async fn anthropic_errors_have_anthropics_shape() {
         assert_eq!(v["error"]["type"], kind, "{body} -> {v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(word), "{body} -> {v}");
     }
+    // GET /v1/models from an Anthropic client (it sends anthropic-version): Anthropic's shapes.
+    let get = |path: &str| client.get(format!("{}{path}", s.base)).header("x-api-key", "sekret").header("anthropic-version", "2023-06-01").send();
+    let v: Value = get("/v1/models").await.unwrap().json().await.unwrap();
+    assert_eq!(v["data"][0]["type"], "model", "{v}");
+    assert_eq!(v["data"][0]["id"], "k3-synth");
+    assert_eq!(v["has_more"], false);
+    let created = v["data"][0]["created_at"].as_str().unwrap();
+    assert!(created.starts_with("20") && created.contains('T') && created.ends_with('Z'), "{created}");
+    let v: Value = get("/v1/models/k3-synth").await.unwrap().json().await.unwrap();
+    assert_eq!(v["display_name"], "k3-synth");
+    let r = get("/v1/models/claude-x").await.unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "not_found_error", "{v}");
+
     // Malformed JSON, through the same shape.
     let r = client.post(&url).header("x-api-key", "sekret").header("content-type", "application/json").body("{nope").send().await.unwrap();
     assert_eq!(r.status(), 400);

@@ -630,11 +630,25 @@ fn error_type(status: StatusCode) -> &'static str {
     }
 }
 
+/// The served model as Anthropic's model object (`GET /v1/models` from an Anthropic client).
+pub fn model_card(st: &AppState) -> Value {
+    let created = time::OffsetDateTime::from_unix_timestamp(st.created as i64)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_else(|| "1970-01-01T00:00:00Z".into());
+    json!({"type": "model", "id": st.model_id, "display_name": st.model_id, "created_at": created, "lifecycle": "active",
+           "max_input_tokens": st.engine.max_context})
+}
+
 /// Middleware of the Anthropic routes: rewrites every error response (the handlers' and the
 /// guard's OpenAI-shaped `{"error": {...}}`, or a plain-text rejection) into Anthropic's
 /// `{"type": "error", "error": {"type", "message"}}`, keeping status and headers.
 pub async fn error_shape(req: Request, next: Next) -> Response {
-    let resp = next.run(req).await;
+    reshape_error(next.run(req).await).await
+}
+
+/// [`error_shape`] of one response (success responses pass unchanged).
+pub async fn reshape_error(resp: Response) -> Response {
     let status = resp.status();
     if !(status.is_client_error() || status.is_server_error()) {
         return resp;

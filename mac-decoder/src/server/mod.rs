@@ -163,15 +163,27 @@ fn model_card(st: &AppState) -> Value {
     json!({"id": st.model_id, "object": "model", "created": st.created, "owned_by": "k3-offload", "max_model_len": st.engine.max_context})
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> AxJson<Value> {
+/// Whether a request comes from an Anthropic client (they send `anthropic-version`).
+fn anthropic_client(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key("anthropic-version")
+}
+
+async fn models(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> AxJson<Value> {
     st.metrics.request("models");
+    if anthropic_client(&headers) {
+        return AxJson(json!({"data": [anthropic::model_card(&st)], "has_more": false, "first_id": st.model_id, "last_id": st.model_id}));
+    }
     AxJson(json!({"object": "list", "data": [model_card(&st)]}))
 }
 
-async fn model_info(State(st): State<Arc<AppState>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+async fn model_info(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
     st.metrics.request("models");
     if id != st.model_id {
-        return fail(&st, ApiError::not_found_model(&id));
+        let resp = fail(&st, ApiError::not_found_model(&id));
+        return if anthropic_client(&headers) { anthropic::reshape_error(resp).await } else { resp };
+    }
+    if anthropic_client(&headers) {
+        return AxJson(anthropic::model_card(&st)).into_response();
     }
     AxJson(model_card(&st)).into_response()
 }

@@ -152,4 +152,10 @@ try:
 except anthropic.BadRequestError as e:
     check(e.body["error"]["type"] == "invalid_request_error" and "budget_tokens" in e.body["error"]["message"], f"400 body {e.body}")
 print("ok errors")
+
+# Models, in Anthropic's shape.
+listed = client.models.list()
+check([m.id for m in listed.data] == [model] and listed.data[0].type == "model", f"models.list {listed}")
+check(client.models.retrieve(model).id == model, "models.retrieve")
+print("ok models")
 print("ALL OK")
