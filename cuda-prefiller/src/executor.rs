@@ -370,7 +370,7 @@ fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid
 /// Prefills `input` on top of `state` through every layer, taking each layer's weights from
 /// `feed`; `state` is updated only when the whole call succeeds (an error leaves it as it was).
 /// `on_layer` sees each layer's new state as soon as the layer is done; an error it returns
-/// aborts the call.
+/// aborts the call. A weight pass of one request ([`prefill_many_with`]).
 pub fn prefill_with<B: Backend>(
     model: &Model<B>,
     feed: &mut dyn WeightFeed<B>,
@@ -379,17 +379,37 @@ pub fn prefill_with<B: Backend>(
     opts: &ExecOptions,
     mut on_layer: impl FnMut(LayerEvent<'_>) -> anyhow::Result<()>,
 ) -> anyhow::Result<PrefillOutput> {
+    let mut reqs = [PassRequest { state, input }];
+    let mut out = prefill_many_with(model, feed, &mut reqs, opts, |_, ev| on_layer(ev))?;
+    out.pop().expect("one result per request")
+}
+
+/// One request of a shared weight pass: its own state (session base) and new tokens.
+pub struct PassRequest<'s, 'a> {
+    pub state: &'s mut HandoffState,
+    pub input: PrefillInput<'a>,
+}
+
+/// A request's progress through a pass.
+struct InPass<B: Backend> {
+    base: usize,
+    n: usize,
+    kda_form: KdaForm,
+    mla_form: MlaForm,
+    chunks: Vec<ChunkResidual<B>>,
+    trace: Option<HiddenTrace>,
+    new_layers: Vec<LayerState>,
+    topk_gap: Vec<(usize, Vec<f32>)>,
+}
+
+/// A request's residual chunks, built from its embeddings (checks the ids and the overrides).
+fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state: &HandoffState, input: PrefillInput<'_>, opts: &ExecOptions) -> anyhow::Result<InPass<B>> {
     let b = &*model.backend;
     let d = &model.dims;
     let h = d.hidden;
     let n = input.tokens.len();
     ensure!(n > 0, "prefill: no new tokens");
-    ensure!(opts.chunk_tokens > 0, "prefill: chunk_tokens is 0");
     state.check(&model.cfg).context("prefill: the given hand-off state does not fit the model")?;
-    let base = state.tokens;
-    let kda_form = opts.kda_form.unwrap_or(if n == 1 { KdaForm::Recurrent } else { KdaForm::Chunked });
-    let mla_form = opts.mla_form.unwrap_or(if n == 1 { MlaForm::Absorbed } else { MlaForm::Expanded });
-    let misread = model.misread;
     let park = opts.park_on_host;
 
     // Embeddings: gathered on the backend by the weight feed where it can (no overrides), else on
@@ -441,7 +461,7 @@ pub fn prefill_with<B: Backend>(
         chunks.push(ChunkResidual { rows, bank: Vec::new(), p: Slot::store(b, p, park)? });
         row0 += rows;
     }
-    let mut trace = match opts.trace_last {
+    let trace = match opts.trace_last {
         false => None,
         true => Some(HiddenTrace {
             embed: match &host_emb {
@@ -451,127 +471,48 @@ pub fn prefill_with<B: Backend>(
             ..Default::default()
         }),
     };
-    drop(host_emb);
+    Ok(InPass {
+        base: state.tokens,
+        n,
+        kda_form: opts.kda_form.unwrap_or(if n == 1 { KdaForm::Recurrent } else { KdaForm::Chunked }),
+        mla_form: opts.mla_form.unwrap_or(if n == 1 { MlaForm::Absorbed } else { MlaForm::Expanded }),
+        chunks,
+        trace,
+        new_layers: Vec::with_capacity(model.plan.len()),
+        topk_gap: Vec::new(),
+    })
+}
 
-    let mut new_layers: Vec<LayerState> = Vec::with_capacity(model.plan.len());
-    let mut topk_gap = Vec::new();
-    for (l, spec) in model.plan.iter().enumerate() {
-        let w = feed.layer(model, l)?;
-        let span = tracing::debug_span!("layer", l, attn = ?spec.attn, ffn = ?spec.ffn);
-        let _g = span.enter();
-        let cx = LayerCtx {
-            b,
-            d,
-            w: &w,
-            l,
-            misread,
-            bank_before_attn: if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary },
-            bank_before_mlp: misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0,
-            kda_form,
-            mla_form,
-            park,
-        };
-
-        let mut cache = match (&state.layers[l], spec.attn) {
-            (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaCache::upload(b, s, d)?),
-            (LayerState::Mla(s), AttnKind::Mla) => {
-                let mut latent = b.zeros(base + n, d.mla.latent())?;
-                if base > 0 {
-                    b.write_rows(&mut latent, 0, &b.upload(&s.latent, base, d.mla.latent())?)?;
-                }
-                Cache::Mla(MlaCache { latent, rows: base })
+/// A request's attention cache for layer `l`, from its state before the pass.
+fn layer_cache<B: Backend>(model: &Model<B>, state: &HandoffState, r: &InPass<B>, l: usize, attn: AttnKind) -> anyhow::Result<Cache<B>> {
+    let (b, d) = (&*model.backend, &model.dims);
+    Ok(match (&state.layers[l], attn) {
+        (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaCache::upload(b, s, d)?),
+        (LayerState::Mla(s), AttnKind::Mla) => {
+            let mut latent = b.zeros(r.base + r.n, d.mla.latent())?;
+            if r.base > 0 {
+                b.write_rows(&mut latent, 0, &b.upload(&s.latent, r.base, d.mla.latent())?)?;
             }
-            _ => bail!("layer {l}: the hand-off state's kind differs from the model's {:?} layer", spec.attn),
-        };
-        let mut gaps = Vec::new();
-        let nchunks = chunks.len();
-        match &w.ffn {
-            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (nchunks > 1 && !opts.park_on_host) || opts.moe_observer.is_some() => {
-                // Every token chunk's front first, then the routed experts of all chunks, then the
-                // backs: streamed experts come in chunks, each over all token chunks (they cross
-                // PCIe once); resident ones run once over all token chunks (a backend may share
-                // work between chunks: the CUDA dense path dequantises each expert group once).
-                // Routed experts are position-wise, so the results equal chunk-by-chunk order.
-                let mut mids = Vec::with_capacity(nchunks);
-                let mut fronts = Vec::with_capacity(nchunks);
-                for (ci, ch) in chunks.iter_mut().enumerate() {
-                    let mid = attn_half(&cx, ch, &mut cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                    let f = latent_moe_front(b, mw, &mid.x2, d)?;
-                    gaps.extend_from_slice(&f.routing.gap);
-                    mids.push(mid);
-                    fronts.push(f);
-                }
-                let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().map(|f| (&f.x_lat, &f.routing)).collect();
-                // Calibration: one more input per chunk, the per-slot flattened one (same pass).
-                let slots = match &opts.moe_observer {
-                    Some(_) => fronts.iter().map(|f| crate::calibrate::slot_inputs(b, &f.x_lat, &f.routing)).collect::<anyhow::Result<Vec<_>>>()?,
-                    None => Vec::new(),
-                };
-                inputs.extend(slots.iter().map(|(x, r)| (x, r)));
-                let mut outs = match &mw.experts {
-                    Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
-                    None => feed.experts_in_chunks(model, l, &inputs),
-                }
-                .with_context(|| format!("layer {l}: routed experts"))?;
-                ensure!(outs.len() == inputs.len(), "layer {l}: the weight feed returned {} expert outputs for {} inputs", outs.len(), inputs.len());
-                if let Some(obs) = &opts.moe_observer {
-                    for (f, y) in fronts.iter().zip(outs.split_off(nchunks)) {
-                        obs.0.observe(l, &f.routing, &crate::calibrate::slot_norms(b, &y)?).with_context(|| format!("layer {l}: MoE observer"))?;
-                    }
-                }
-                drop(inputs);
-                drop(slots);
-                drop(fronts);
-                for (ci, ((ch, mid), r)) in chunks.iter_mut().zip(mids).zip(outs).enumerate() {
-                    let m = latent_moe_back(b, mw, &mid.x2, r, d)?;
-                    finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                }
-            }
-            ffn => {
-                for (ci, ch) in chunks.iter_mut().enumerate() {
-                    let mid = attn_half(&cx, ch, &mut cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                    let m = match ffn {
-                        FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
-                        FfnWeights::LatentMoe(mw) => {
-                            let (y, routing) = latent_moe_forward(b, mw, &mid.x2, d)?;
-                            gaps.extend_from_slice(&routing.gap);
-                            y
-                        }
-                    };
-                    finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                }
-            }
+            Cache::Mla(MlaCache { latent, rows: r.base })
         }
-        feed.layer_done(model, l)?;
-        drop(w);
-        if spec.ffn == FfnKind::LatentMoe {
-            topk_gap.push((l, gaps));
-        }
-        let layer_state = match cache {
-            Cache::Kda(kc) => LayerState::Kda(kc.download(b, d)?),
-            Cache::Mla(mc) => LayerState::Mla(MlaState {
-                width: d.mla.latent(),
-                latent: b.download(&b.slice_rows(&mc.latent, base, n)?)?,
-            }),
-        };
-        on_layer(LayerEvent { layer: l, base_tokens: base, new_tokens: n, state: &layer_state })
-            .with_context(|| format!("layer {l}: hand-off callback"))?;
-        new_layers.push(layer_state);
-        tracing::debug!(l, "layer done");
-    }
+        _ => bail!("layer {l}: the hand-off state's kind differs from the model's {attn:?} layer"),
+    })
+}
 
-    // Output head: output AttnRes mix, final norm, lm_head.
-    let head = feed.head(model)?;
+/// Output head of one request: the logits rows `opts.logits` asks for (and the trace's last mix).
+fn head_rows<B: Backend>(model: &Model<B>, head: &HeadWeights<B>, r: &mut InPass<B>, opts: &ExecOptions) -> anyhow::Result<(Vec<f32>, usize)> {
+    let (b, d) = (&*model.backend, &model.dims);
     let mut logits = Vec::new();
     let mut logits_rows = 0;
-    for (ci, ch) in chunks.iter().enumerate() {
-        let is_last = ci + 1 == chunks.len();
+    let nchunks = r.chunks.len();
+    for (ci, ch) in r.chunks.iter().enumerate() {
+        let is_last = ci + 1 == nchunks;
         let want = match opts.logits {
             LogitsRows::All => true,
             LogitsRows::Last => is_last,
             LogitsRows::None => false,
         };
-        if !want && (!is_last || trace.is_none()) {
+        if !want && (!is_last || r.trace.is_none()) {
             continue;
         }
         let mut bank: Vec<Held<'_, B>> = Vec::with_capacity(ch.bank.len());
@@ -579,14 +520,14 @@ pub fn prefill_with<B: Backend>(
             bank.push(s.get(b)?);
         }
         let p = ch.p.get(b)?;
-        let z = if misread.skip_output_mix {
+        let z = if model.misread.skip_output_mix {
             b.slice_rows(&p, 0, ch.rows)?
         } else {
             let refs: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
             b.attn_res_mix(&refs, &p, &head.output_res.norm, &head.output_res.proj, d.eps)?
         };
         let zn = b.rms_norm(&z, &head.norm, d.eps)?;
-        if let (Some(t), true) = (trace.as_mut(), is_last) {
+        if let (Some(t), true) = (r.trace.as_mut(), is_last) {
             t.final_mix = last_row(b, &z)?;
             t.final_normed = last_row(b, &zn)?;
         }
@@ -598,16 +539,247 @@ pub fn prefill_with<B: Backend>(
         logits_rows += lg.rows();
         logits.extend(b.download(&lg)?);
     }
+    Ok((logits, logits_rows))
+}
 
-    // Commit the new state.
-    for (l, ns) in new_layers.into_iter().enumerate() {
-        match (&mut state.layers[l], ns) {
-            (LayerState::Mla(old), LayerState::Mla(new)) => old.latent.extend_from_slice(&new.latent),
-            (slot, ns) => *slot = ns,
+/// A **shared weight pass**: prefills every request of `reqs` in one sweep over the layers —
+/// each layer's weights are taken from `feed` once and serve all of them — while each request
+/// keeps its own tokens, positions, session base and state. Each request computes exactly what
+/// [`prefill_with`] would compute for it alone (the same ops in the same order on its own
+/// buffers; only the routed experts of a latent-MoE layer run as one backend call over every
+/// request's token chunks, which is position-wise), so the results are those of separate runs.
+///
+/// `on_layer(i, event)` sees request `i`'s state of each layer as soon as the layer is done.
+/// A request whose input is refused, whose compute fails or whose callback returns an error
+/// drops out of the pass with that error and its state untouched; the others go on. The outer
+/// error is the pass's own (the weight feed, the routed experts over all requests): then no
+/// state changed. On success each request's state holds its new tokens.
+pub fn prefill_many_with<B: Backend>(
+    model: &Model<B>,
+    feed: &mut dyn WeightFeed<B>,
+    reqs: &mut [PassRequest<'_, '_>],
+    opts: &ExecOptions,
+    mut on_layer: impl FnMut(usize, LayerEvent<'_>) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<anyhow::Result<PrefillOutput>>> {
+    let b = &*model.backend;
+    let d = &model.dims;
+    ensure!(opts.chunk_tokens > 0, "prefill: chunk_tokens is 0");
+    let misread = model.misread;
+    let park = opts.park_on_host;
+
+    let mut errors: Vec<Option<anyhow::Error>> = (0..reqs.len()).map(|_| None).collect();
+    let mut pass: Vec<Option<InPass<B>>> = Vec::with_capacity(reqs.len());
+    for (i, r) in reqs.iter().enumerate() {
+        match enter_pass(model, feed, &*r.state, r.input, opts) {
+            Ok(p) => pass.push(Some(p)),
+            Err(e) => {
+                errors[i] = Some(e);
+                pass.push(None);
+            }
         }
     }
-    state.tokens = base + n;
-    Ok(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace })
+    // Drops request `i` out of the pass with `e`.
+    fn drop_out<B: Backend>(pass: &mut [Option<InPass<B>>], errors: &mut [Option<anyhow::Error>], i: usize, e: anyhow::Error) {
+        pass[i] = None;
+        errors[i] = Some(e);
+    }
+
+    for (l, spec) in model.plan.iter().enumerate() {
+        if pass.iter().all(Option::is_none) {
+            break;
+        }
+        let w = feed.layer(model, l)?;
+        let span = tracing::debug_span!("layer", l, attn = ?spec.attn, ffn = ?spec.ffn, requests = pass.iter().flatten().count());
+        let _g = span.enter();
+        let cx_of = |r: &InPass<B>| LayerCtx {
+            b,
+            d,
+            w: &w,
+            l,
+            misread,
+            bank_before_attn: if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary },
+            bank_before_mlp: misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0,
+            kda_form: r.kda_form,
+            mla_form: r.mla_form,
+            park,
+        };
+
+        let mut caches: Vec<Option<Cache<B>>> = Vec::with_capacity(pass.len());
+        for i in 0..pass.len() {
+            let c = match &pass[i] {
+                Some(r) => match layer_cache(model, &*reqs[i].state, r, l, spec.attn) {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        drop_out(&mut pass, &mut errors, i, e);
+                        None
+                    }
+                },
+                None => None,
+            };
+            caches.push(c);
+        }
+        let mut gaps: Vec<Vec<f32>> = vec![Vec::new(); pass.len()];
+        let total_chunks: usize = pass.iter().flatten().map(|r| r.chunks.len()).sum();
+        match &w.ffn {
+            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (total_chunks > 1 && !opts.park_on_host) || opts.moe_observer.is_some() => {
+                // Every token chunk's front first (of every request), then the routed experts of
+                // all chunks, then the backs: streamed experts come in chunks, each over all token
+                // chunks (they cross PCIe once per pass); resident ones run once over all token
+                // chunks (a backend may share work between chunks: the CUDA dense path
+                // dequantises each expert group once). Routed experts are position-wise, so the
+                // results equal chunk-by-chunk order.
+                let mut mids: Vec<Vec<Mid<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
+                let mut fronts: Vec<Vec<crate::model::ffn::MoeFront<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
+                for i in 0..pass.len() {
+                    let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
+                    let cx = cx_of(r);
+                    let nchunks = r.chunks.len();
+                    let InPass { chunks, trace, .. } = r;
+                    let res = (|| -> anyhow::Result<()> {
+                        for (ci, ch) in chunks.iter_mut().enumerate() {
+                            let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                            let f = latent_moe_front(b, mw, &mid.x2, d)?;
+                            gaps[i].extend_from_slice(&f.routing.gap);
+                            mids[i].push(mid);
+                            fronts[i].push(f);
+                        }
+                        Ok(())
+                    })();
+                    if let Err(e) = res {
+                        mids[i].clear();
+                        fronts[i].clear();
+                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
+                    }
+                }
+                let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().flatten().map(|f| (&f.x_lat, &f.routing)).collect();
+                let n_inputs = inputs.len();
+                // Calibration: one more input per chunk, the per-slot flattened one (same pass).
+                let slots = match &opts.moe_observer {
+                    Some(_) => fronts.iter().flatten().map(|f| crate::calibrate::slot_inputs(b, &f.x_lat, &f.routing)).collect::<anyhow::Result<Vec<_>>>()?,
+                    None => Vec::new(),
+                };
+                inputs.extend(slots.iter().map(|(x, r)| (x, r)));
+                let mut outs = match &mw.experts {
+                    Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
+                    None => feed.experts_in_chunks(model, l, &inputs),
+                }
+                .with_context(|| format!("layer {l}: routed experts"))?;
+                ensure!(outs.len() == inputs.len(), "layer {l}: the weight feed returned {} expert outputs for {} inputs", outs.len(), inputs.len());
+                if let Some(obs) = &opts.moe_observer {
+                    for (f, y) in fronts.iter().flatten().zip(outs.split_off(n_inputs)) {
+                        obs.0.observe(l, &f.routing, &crate::calibrate::slot_norms(b, &y)?).with_context(|| format!("layer {l}: MoE observer"))?;
+                    }
+                }
+                drop(inputs);
+                drop(slots);
+                let counts: Vec<usize> = fronts.iter().map(Vec::len).collect();
+                drop(fronts);
+                let mut outs = outs.into_iter();
+                for (i, mids_i) in mids.into_iter().enumerate() {
+                    let outs_i: Vec<B::Buf> = outs.by_ref().take(counts[i]).collect();
+                    let Some(r) = pass[i].as_mut() else { continue };
+                    let cx = cx_of(r);
+                    let nchunks = r.chunks.len();
+                    let InPass { chunks, trace, .. } = r;
+                    let res = (|| -> anyhow::Result<()> {
+                        for (ci, ((ch, mid), y)) in chunks.iter_mut().zip(mids_i).zip(outs_i).enumerate() {
+                            let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
+                            finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                        }
+                        Ok(())
+                    })();
+                    if let Err(e) = res {
+                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
+                    }
+                }
+            }
+            ffn => {
+                for i in 0..pass.len() {
+                    let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
+                    let cx = cx_of(r);
+                    let nchunks = r.chunks.len();
+                    let InPass { chunks, trace, .. } = r;
+                    let res = (|| -> anyhow::Result<()> {
+                        for (ci, ch) in chunks.iter_mut().enumerate() {
+                            let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                            let m = match ffn {
+                                FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
+                                FfnWeights::LatentMoe(mw) => {
+                                    let (y, routing) = latent_moe_forward(b, mw, &mid.x2, d)?;
+                                    gaps[i].extend_from_slice(&routing.gap);
+                                    y
+                                }
+                            };
+                            finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                        }
+                        Ok(())
+                    })();
+                    if let Err(e) = res {
+                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
+                    }
+                }
+            }
+        }
+        feed.layer_done(model, l)?;
+        drop(w);
+        for (i, cache) in caches.into_iter().enumerate() {
+            let (Some(r), Some(cache)) = (pass[i].as_mut(), cache) else { continue };
+            if spec.ffn == FfnKind::LatentMoe {
+                r.topk_gap.push((l, std::mem::take(&mut gaps[i])));
+            }
+            let (base, n) = (r.base, r.n);
+            let res = (|| -> anyhow::Result<LayerState> {
+                let layer_state = match cache {
+                    Cache::Kda(kc) => LayerState::Kda(kc.download(b, d)?),
+                    Cache::Mla(mc) => LayerState::Mla(MlaState { width: d.mla.latent(), latent: b.download(&b.slice_rows(&mc.latent, base, n)?)? }),
+                };
+                on_layer(i, LayerEvent { layer: l, base_tokens: base, new_tokens: n, state: &layer_state })
+                    .with_context(|| format!("layer {l}: hand-off callback"))?;
+                Ok(layer_state)
+            })();
+            match res {
+                Ok(s) => r.new_layers.push(s),
+                Err(e) => drop_out(&mut pass, &mut errors, i, e),
+            }
+        }
+        tracing::debug!(l, "layer done");
+    }
+
+    // Output head: output AttnRes mix, final norm, lm_head.
+    let mut outputs: Vec<Option<PrefillOutput>> = (0..pass.len()).map(|_| None).collect();
+    if pass.iter().any(Option::is_some) {
+        let head = feed.head(model)?;
+        for i in 0..pass.len() {
+            let Some(r) = pass[i].as_mut() else { continue };
+            match head_rows(model, &head, r, opts) {
+                Ok((logits, logits_rows)) => {
+                    let (topk_gap, trace) = (std::mem::take(&mut r.topk_gap), r.trace.take());
+                    outputs[i] = Some(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace });
+                }
+                Err(e) => drop_out(&mut pass, &mut errors, i, e.context("output head")),
+            }
+        }
+    }
+
+    // Commit each finished request's new state.
+    let mut results = Vec::with_capacity(reqs.len());
+    for (i, ((req, r), out)) in reqs.iter_mut().zip(pass).zip(outputs).enumerate() {
+        match (r, out, errors[i].take()) {
+            (Some(r), Some(out), None) => {
+                for (l, ns) in r.new_layers.into_iter().enumerate() {
+                    match (&mut req.state.layers[l], ns) {
+                        (LayerState::Mla(old), LayerState::Mla(new)) => old.latent.extend_from_slice(&new.latent),
+                        (slot, ns) => *slot = ns,
+                    }
+                }
+                req.state.tokens = r.base + r.n;
+                results.push(Ok(out));
+            }
+            (_, _, Some(e)) => results.push(Err(e)),
+            _ => results.push(Err(anyhow::anyhow!("prefill: the request left the pass without a result"))),
+        }
+    }
+    Ok(results)
 }
 
 /// [`Model::embed_rows`] over blocks of tokens on the rayon pool (a long prompt's rows are
@@ -665,4 +837,14 @@ pub fn greedy<B: Backend>(model: &Model<B>, state: &mut HandoffState, first: u32
         all.push(lg);
     }
     Ok((tokens, all))
+}
+
+/// Bytes a request of `n` new tokens after `base` holds during a weight pass besides the
+/// weights: its residual (the AttnRes bank and `P` of every new token, at most one bank entry
+/// per block of layers) and the largest per-layer attention cache (the MLA latent rows of the
+/// whole context). What a shared pass budgets per request.
+pub fn pass_request_bytes(dims: &ModelDims, layers: usize, base: usize, n: usize) -> u64 {
+    let residual = (layers.div_ceil(dims.block.max(1)) + 2) * n * dims.hidden * 4;
+    let latent = (base + n) * dims.mla.latent() * 4;
+    (residual + latent) as u64
 }

@@ -977,29 +977,49 @@ pub fn streamed_weights_for<B: crate::backend::Backend + 'static>(model: &crate:
 
 /// One prefill with the streamed weights when `sw` is given (the model's backend must then be
 /// CUDA), else with the model's own weights ([`crate::executor::prefill`]); also returns the
-/// streaming timing.
+/// streaming timing. A weight pass of one request ([`prefill_many_maybe_streamed`]).
 pub fn prefill_maybe_streamed<B: crate::backend::Backend + 'static>(
     model: &crate::model::Model<B>,
     sw: Option<&StreamedWeights>,
     state: &mut k3_protocol::handoff::HandoffState,
     input: crate::executor::PrefillInput<'_>,
     opts: &crate::executor::ExecOptions,
-    on_layer: impl FnMut(crate::executor::LayerEvent<'_>) -> Result<()>,
+    mut on_layer: impl FnMut(crate::executor::LayerEvent<'_>) -> Result<()>,
 ) -> Result<(crate::executor::PrefillOutput, Option<StreamStats>)> {
-    let Some(sw) = sw else { return Ok((crate::executor::prefill(model, state, input, opts, on_layer)?, None)) };
+    let mut reqs = [crate::executor::PassRequest { state, input }];
+    let (mut outs, stats) = prefill_many_maybe_streamed(model, sw, &mut reqs, opts, |_, ev| on_layer(ev))?;
+    Ok((outs.pop().expect("one result per request")?, stats))
+}
+
+/// One shared weight pass over `reqs` ([`crate::executor::prefill_many_with`]): each layer's
+/// weights streamed once when `sw` is given (the model's backend must then be CUDA), else the
+/// model's own; also returns the pass's streaming timing (`None` when every request dropped
+/// out before the pass ended, or without streaming).
+pub fn prefill_many_maybe_streamed<B: crate::backend::Backend + 'static>(
+    model: &crate::model::Model<B>,
+    sw: Option<&StreamedWeights>,
+    reqs: &mut [crate::executor::PassRequest<'_, '_>],
+    opts: &crate::executor::ExecOptions,
+    on_layer: impl FnMut(usize, crate::executor::LayerEvent<'_>) -> Result<()>,
+) -> Result<(Vec<Result<crate::executor::PrefillOutput>>, Option<StreamStats>)> {
+    let Some(sw) = sw else { return Ok((crate::executor::prefill_many_with(model, &mut crate::executor::ModelWeights, reqs, opts, on_layer)?, None)) };
     let Some(m) = (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<crate::cuda::CudaBackend>>() else {
         bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name())
     };
     let mut feed = sw.feed()?;
-    let out = crate::executor::prefill_with(m, &mut feed, state, input, opts, on_layer)?;
+    let outs = crate::executor::prefill_many_with(m, &mut feed, reqs, opts, on_layer)?;
+    if outs.iter().all(|o| o.is_err()) {
+        return Ok((outs, None));
+    }
     let stats = feed.finish()?;
     tracing::debug!(
+        requests = outs.len(),
         gb = stats.bytes as f64 / 1e9,
         compute_s = stats.compute_s,
         wait_s = stats.wait_s,
         host_wait_s = stats.host_wait_s,
         copy_s = stats.copy_s,
-        "streamed prefill"
+        "streamed weight pass"
     );
-    Ok((out, Some(stats)))
+    Ok((outs, Some(stats)))
 }

@@ -1,6 +1,7 @@
-//! Two decoders on one prefill node at the same time: the node computes one prefill at a time
-//! (the second waits in its queue, with heartbeats) and both conversations get correct results,
-//! each with its own session prefix.
+//! Two decoders on one prefill node at the same time: the node runs one weight pass at a time
+//! (a request arriving during a pass waits in its queue, with heartbeats, and requests waiting
+//! together share the next pass) and both conversations get correct results, each with its own
+//! session prefix.
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -62,8 +63,9 @@ fn two_decoders_share_one_node() {
         assert_eq!(mine.len(), 2, "two requests per decoder");
         assert_eq!(mine[1].base_tokens as usize + mine[1].new_tokens as usize + 10, *tokens);
     }
-    // They did run at the same time: at least one request waited behind the other's compute.
-    assert!(recs.iter().any(|r| r.queue_s > 0.05), "no request ever waited: {recs:?}");
+    // They did run at the same time: at least one request waited behind the other's compute, or
+    // two shared a weight pass.
+    assert!(recs.iter().any(|r| r.queue_s > 0.05 || r.pass_requests > 1), "no request ever waited or shared a pass: {recs:?}");
     assert_eq!(node.snapshot().sessions.sessions, 2);
     assert_eq!(node.snapshot().counters.connections, 2);
 }

@@ -54,6 +54,11 @@ pub struct Args {
     /// Tokens per chunk within a layer.
     #[arg(long, default_value_t = 16384)]
     pub chunk_tokens: usize,
+    /// Model mode: also prefill this many prompts of each length together, in one shared weight
+    /// pass (the serve path's batching of waiting requests), next to one alone: seconds and
+    /// weight bytes of N concurrent prompts against one.
+    #[arg(long, default_value_t = 1)]
+    pub concurrent: usize,
     /// Model mode: the source's read limit is measured over at most this many GB of the shards.
     #[arg(long, default_value_t = 8.0)]
     pub source_probe_gb: f64,
@@ -243,8 +248,12 @@ fn median(v: &mut [f64]) -> f64 {
 struct ModelRow {
     backend: String,
     weights_from: String,
+    /// New tokens of each prompt.
     tokens: usize,
+    /// Prompts prefilled together in one weight pass.
+    requests: usize,
     seconds: f64,
+    /// All prompts' tokens per second.
     tokens_per_s: f64,
     /// Layer FLOPs (+ lm_head of the last row).
     tflop: f64,
@@ -280,6 +289,8 @@ struct ModelRow {
     profile: Vec<(String, f64)>,
     /// `K3_PROFILE=1`: host time blocked on the GPU `(what, step, calls, ms, bytes)`.
     host_blocked: Vec<(String, String, usize, f64, usize)>,
+    /// Shared pass: max |Δ| of the first prompt's last logits against the same prompt alone.
+    logits_max_abs_diff_vs_alone: Option<f64>,
 }
 
 fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
@@ -304,6 +315,11 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
     let cfg = model.cfg.clone();
     let opts = ExecOptions { chunk_tokens: args.chunk_tokens, logits: LogitsRows::Last, ..ExecOptions::default() };
     let ids_of = |t: usize| -> Vec<u32> { (0..t).map(|i| ((i as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect() };
+    // prompt `r` of a shared pass: other ids of the same length
+    let ids_of_req = |t: usize, r: usize| -> Vec<u32> { (0..t).map(|i| (((i + 7919 * r) as u64 * 2654435761) % (cfg.vocab_size.min(1000) as u64)) as u32).collect() };
+    if args.concurrent == 0 {
+        bail!("bench: --concurrent must be at least 1");
+    }
     // warm-up (kernel compilation, cuBLAS heuristics, allocator pools; long enough for the dense
     // expert path), untimed
     let warm = args.tokens.iter().copied().min().unwrap_or(256).min(16384);
@@ -324,30 +340,53 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         .text_config;
     let k3_specs = k3_plan.layer_plan();
     let mut rows = Vec::new();
-    for &t in &args.tokens {
-        let ids = ids_of(t);
-        let mut state = k3_protocol::handoff::HandoffState::empty(&cfg);
+    let mut alone_logits: std::collections::HashMap<usize, Vec<f32>> = Default::default();
+    let runs: Vec<(usize, usize)> = args.tokens.iter().flat_map(|&t| if args.concurrent > 1 { vec![(t, 1), (t, args.concurrent)] } else { vec![(t, 1)] }).collect();
+    for (t, nreq) in runs {
+        let prompts: Vec<Vec<u32>> = (0..nreq).map(|r| if r == 0 { ids_of(t) } else { ids_of_req(t, r) }).collect();
+        let mut states: Vec<_> = (0..nreq).map(|_| k3_protocol::handoff::HandoffState::empty(&cfg)).collect();
         crate::cuda::profile::reset();
         if let Some(c) = cuda {
             c.gpu.sync()?;
         }
         let t0 = Instant::now();
-        let (_, st) = crate::streamer::prefill_maybe_streamed(&model, sw.as_ref(), &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(()))?;
+        let (outs, st) = {
+            let mut reqs: Vec<crate::executor::PassRequest<'_, '_>> =
+                states.iter_mut().zip(&prompts).map(|(state, p)| crate::executor::PassRequest { state, input: PrefillInput::tokens(p) }).collect();
+            crate::streamer::prefill_many_maybe_streamed(&model, sw.as_ref(), &mut reqs, &opts, |_, _| Ok(()))?
+        };
         let s = t0.elapsed().as_secs_f64();
+        let mut first_logits = Vec::new();
+        for (r, o) in outs.into_iter().enumerate() {
+            let o = o.with_context(|| format!("prompt {r} of {nreq} ({t} tokens)"))?;
+            if r == 0 {
+                first_logits = o.logits;
+            }
+        }
+        // The first prompt of a shared pass is the prompt run alone just before: its last logits
+        // against those (identical on the CPU reference; the GPU's expert path over several token
+        // chunks may round differently).
+        let vs_alone = if nreq > 1 {
+            alone_logits.get(&t).map(|a: &Vec<f32>| a.iter().zip(&first_logits).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) as f64)
+        } else {
+            alone_logits.insert(t, first_logits);
+            None
+        };
         if let Some(c) = cuda {
             crate::cuda::profile::begin(&c.gpu, "-")?;
         }
         let profile = crate::cuda::profile::report()?.into_iter().map(|(n, ms)| (n.to_string(), ms)).collect();
         let host_blocked = crate::cuda::profile::host_report().into_iter().map(|(w, st, c, ms, by)| (w.to_string(), st.to_string(), c, ms, by)).collect();
         let layer_fl: Vec<f64> = model.plan.iter().map(|spec| layer_flops(&cfg, spec, t, 0)).collect();
-        let flops = layer_fl.iter().sum::<f64>() + 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64;
+        let flops = nreq as f64 * (layer_fl.iter().sum::<f64>() + 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64);
         let st = st.unwrap_or_default();
         let mut row = ModelRow {
             backend: b.name().into(),
             weights_from: rates.as_ref().map(|r| r.weights_from.clone()).unwrap_or_default(),
             tokens: t,
+            requests: nreq,
             seconds: s,
-            tokens_per_s: t as f64 / s,
+            tokens_per_s: (nreq * t) as f64 / s,
             tflop: flops / 1e12,
             streamed: stream,
             weight_gb: st.bytes as f64 / 1e9,
@@ -359,6 +398,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             per_layer: st.layers.clone(),
             profile,
             host_blocked,
+            logits_max_abs_diff_vs_alone: vs_alone,
             ..Default::default()
         };
         if let (Some(r), true) = (&rates, stream) {
@@ -380,14 +420,14 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
                     Some(l) => {
                         p_s += span(l);
                         p_bytes += l.bytes as f64;
-                        p_fl += layer_flops(&cfg, &model.plan[l.layer], t, 0);
+                        p_fl += nreq as f64 * layer_flops(&cfg, &model.plan[l.layer], t, 0);
                     }
                     None => missing.push(ks.index),
                 }
             }
             if missing.is_empty() {
                 row.k3_93_layers_s = p_s;
-                row.k3_93_tokens_per_s = t as f64 / p_s;
+                row.k3_93_tokens_per_s = (nreq * t) as f64 / p_s;
                 row.k3_93_roofline_s = roof(p_bytes, p_fl);
                 row.k3_93_of_roofline = row.k3_93_roofline_s / p_s;
             } else {
@@ -396,13 +436,32 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         }
         rows.push(row);
     }
+    // N concurrent prompts against one: time and weight bytes of the shared pass.
+    let shared: Vec<serde_json::Value> = rows
+        .iter()
+        .filter(|r| r.requests > 1)
+        .filter_map(|r| {
+            let one = rows.iter().find(|o| o.tokens == r.tokens && o.requests == 1)?;
+            Some(serde_json::json!({
+                "tokens": r.tokens,
+                "requests": r.requests,
+                "seconds_one": one.seconds,
+                "seconds_all": r.seconds,
+                "time_ratio": r.seconds / one.seconds,
+                "weight_gb_one": one.weight_gb,
+                "weight_gb_all": r.weight_gb,
+                "weight_ratio": if one.weight_gb > 0.0 { r.weight_gb / one.weight_gb } else { f64::NAN },
+                "logits_max_abs_diff_vs_alone": r.logits_max_abs_diff_vs_alone,
+            }))
+        })
+        .collect();
     if args.json {
-        println!("{}", serde_json::json!({ "rates": rates, "rows": rows }));
+        println!("{}", serde_json::json!({ "rates": rates, "rows": rows, "shared_pass": shared }));
         return Ok(());
     }
     for r in rows.iter() {
         if r.streamed {
-            println!("\n== {} tokens, streamed weights: per layer (GPU ms) ==", r.tokens);
+            println!("\n== {} × {} tokens, streamed weights: per layer (GPU ms) ==", r.requests, r.tokens);
             println!("{:>5} {:>4} {:>9} {:>6} {:>11} {:>9} {:>12} {:>9}", "layer", "attn", "MB", "units", "compute ms", "wait ms", "host wait ms", "copy ms");
             for l in &r.per_layer {
                 let attn = match model.plan.get(l.layer).map(|s| s.attn) {
@@ -424,7 +483,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         }
         if !r.profile.is_empty() {
             let total: f64 = r.profile.iter().map(|x| x.1).sum();
-            println!("\n== {} tokens: GPU time per step (K3_PROFILE) ==", r.tokens);
+            println!("\n== {} × {} tokens: GPU time per step (K3_PROFILE) ==", r.requests, r.tokens);
             for (n, ms) in &r.profile {
                 println!("{:>40} {:>10.1} ms {:>6.1} %", n, ms, 100.0 * ms / total);
             }
@@ -441,13 +500,14 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
         println!("\n{}", r.line());
     }
     println!(
-        "\n{:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>9} {:>8}",
-        "backend", "tokens", "seconds", "tokens/s", "TFLOP", "weight GB", "H2D GB/s", "of src", "compute s", "wait s", "outside s", "o/max", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s", "93L roof"
+        "\n{:>8} {:>4} {:>8} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>9} {:>8}",
+        "backend", "reqs", "tokens", "seconds", "tokens/s", "TFLOP", "weight GB", "H2D GB/s", "of src", "compute s", "wait s", "outside s", "o/max", "roofl. s", "of roofl", "K3 93L s", "K3 tok/s", "93L roof"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>8} {:>9.3} {:>10.1} {:>8.1} {:>9.2} {:>9.1} {:>8.1}% {:>9.3} {:>9.3} {:>9.3} {:>7.3} {:>9.3} {:>8.1}% {:>10.1} {:>9.0} {:>7.1}%",
+            "{:>8} {:>4} {:>8} {:>9.3} {:>10.1} {:>8.1} {:>9.2} {:>9.1} {:>8.1}% {:>9.3} {:>9.3} {:>9.3} {:>7.3} {:>9.3} {:>8.1}% {:>10.1} {:>9.0} {:>7.1}%",
             r.backend,
+            r.requests,
             r.tokens,
             r.seconds,
             r.tokens_per_s,
@@ -464,6 +524,15 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             r.k3_93_layers_s,
             r.k3_93_tokens_per_s,
             100.0 * r.k3_93_of_roofline
+        );
+    }
+    for x in &shared {
+        println!(
+            "shared weight pass: {} concurrent {}-token prompts in {:.3} s = {:.2}x one prompt's {:.3} s; weight bytes {:.2} GB = {:.2}x one prompt's {:.2} GB; first prompt's logits vs alone: max |diff| {:.3e}",
+            x["requests"], x["tokens"], x["seconds_all"].as_f64().unwrap_or(f64::NAN), x["time_ratio"].as_f64().unwrap_or(f64::NAN),
+            x["seconds_one"].as_f64().unwrap_or(f64::NAN), x["weight_gb_all"].as_f64().unwrap_or(f64::NAN),
+            x["weight_ratio"].as_f64().unwrap_or(f64::NAN), x["weight_gb_one"].as_f64().unwrap_or(f64::NAN),
+            x["logits_max_abs_diff_vs_alone"].as_f64().unwrap_or(f64::NAN)
         );
     }
     Ok(())

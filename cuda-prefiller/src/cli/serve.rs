@@ -92,6 +92,11 @@ pub struct Args {
     /// Most new tokens per request.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_request_tokens: usize,
+    /// Shared weight pass: requests waiting when a pass starts are prefilled together (each
+    /// layer's weights read once) while their activations and states fit this, e.g. 16GiB;
+    /// 0: one request per pass.
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    pub pass_memory: u64,
     /// Executor: tokens per chunk within a layer (default: 512 on the CPU, 16384 on a GPU with
     /// ≥ 64 GiB, 4096 on smaller GPUs).
     #[arg(long)]
@@ -115,6 +120,7 @@ impl Args {
             store: StoreLimits { max_bytes: self.session_memory, lease: Duration::from_secs(self.session_lease_secs) },
             max_queue: self.max_queue,
             max_request_tokens: self.max_request_tokens,
+            pass_budget_bytes: self.pass_memory,
             chunk_tokens: self.chunk_tokens.unwrap_or(512).max(1),
             layer_delay: Duration::from_millis(self.debug_layer_delay_ms),
             metrics_listen: self.metrics_listen,

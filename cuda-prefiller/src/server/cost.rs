@@ -7,8 +7,8 @@
 //!   weights). Before the first streamed request: the estimate the node was started with.
 //! - **Compute**: a [`RateFit`] of compute seconds (weight and network waits excluded) against
 //!   new tokens and context, over the last [`SAMPLES`] requests.
-//! - **Queue**: the predicted remaining work of the computing request plus the predicted work
-//!   of the waiting ones.
+//! - **Queue**: the predicted rest of the running weight pass plus the next one, which the
+//!   waiting requests share: `max(pass, Σ their compute)`.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -29,7 +29,8 @@ pub struct SourceRead {
 #[derive(Debug)]
 struct Pending {
     request: u64,
-    predicted_s: f64,
+    /// Predicted compute seconds (weight pass excluded).
+    compute_s: f64,
     started: Option<Instant>,
 }
 
@@ -82,8 +83,8 @@ impl CostMeter {
 
     /// A request entered the queue.
     pub fn queued(&self, request: u64, new_tokens: u64, base_tokens: u64) {
-        let predicted_s = self.current().work_s(new_tokens, base_tokens);
-        self.lock().pending.push(Pending { request, predicted_s, started: None });
+        let compute_s = self.current().compute.seconds(new_tokens, base_tokens);
+        self.lock().pending.push(Pending { request, compute_s, started: None });
         self.publish();
     }
 
@@ -126,15 +127,18 @@ impl CostMeter {
             Some(r) => self.pass_bytes as f64 / r,
             None => self.planned_pass_s,
         };
+        // The running pass (its requests started together) and the next one (every waiting
+        // request shares it).
         let now = Instant::now();
-        let queue_s = g
-            .pending
-            .iter()
-            .map(|p| match p.started {
-                Some(t) => (p.predicted_s - now.duration_since(t).as_secs_f64()).max(0.0),
-                None => p.predicted_s,
-            })
-            .sum();
+        let running = g.pending.iter().filter(|p| p.started.is_some());
+        let first = running.clone().filter_map(|p| p.started).min();
+        let run_left = match first {
+            Some(t) => (pass_s.max(running.map(|p| p.compute_s).sum()) - now.duration_since(t).as_secs_f64()).max(0.0),
+            None => 0.0,
+        };
+        let waiting: Vec<f64> = g.pending.iter().filter(|p| p.started.is_none()).map(|p| p.compute_s).collect();
+        let next = if waiting.is_empty() { 0.0 } else { pass_s.max(waiting.iter().sum()) };
+        let queue_s = run_left + next;
         let cost = NodeCost { pass_s, pass_bytes: self.pass_bytes, passes: g.passes, compute, queued: g.pending.len() as u32, queue_s };
         drop(g);
         if let Ok(mut b) = self.board.write() {
@@ -157,12 +161,21 @@ mod tests {
         let c = m.current();
         assert_eq!((c.pass_s, c.passes, c.queued), (2.0, 1, 0));
         assert!((c.compute.seconds(200, 0) - 2.0).abs() < 1e-9);
-        // Two waiting requests of 200 tokens: the pass (2 s) bounds each.
+        // Two waiting requests of 200 tokens share the next pass: max(pass 2 s, 2 × 2 s compute).
         m.queued(2, 200, 0);
         m.queued(3, 200, 0);
         let c = m.current();
         assert_eq!(c.queued, 2);
         assert!((c.queue_s - 4.0).abs() < 1e-9, "{c:?}");
+        // Two short ones: the pass (2 s) bounds their shared pass.
+        m.queued(4, 10, 0);
+        m.queued(5, 10, 0);
+        m.finished(2, None, None);
+        m.finished(3, None, None);
+        let c = m.current();
+        assert!((c.queue_s - 2.0).abs() < 1e-9, "{c:?}");
+        m.finished(4, None, None);
+        m.finished(5, None, None);
         m.finished(2, None, None);
         m.finished(3, None, None);
         assert_eq!(m.current().queue_s, 0.0);

@@ -46,8 +46,11 @@ pub struct RequestRecord {
     /// Accepted → Done sent.
     pub total_s: f64,
     pub state_bytes: u64,
-    /// Weight streaming of this prompt (CUDA streamer only).
+    /// Weight streaming of the pass this request rode (CUDA streamer only; shared with the
+    /// other requests of the pass).
     pub weights: Option<WeightTiming>,
+    /// Requests that shared this request's weight pass (1: alone; 0: it never reached one).
+    pub pass_requests: u32,
 }
 
 /// What streaming one prompt's weights cost (from [`crate::streamer::StreamStats`]).
@@ -85,7 +88,11 @@ pub struct Counters {
     pub in_flight: u64,
     /// Layers whose state went to the network (all requests).
     pub layers_sent: u64,
-    /// Streamed weights, summed over requests (see [`WeightTiming`]).
+    /// Sweeps of the executor over the layers (one per weight pass, however many requests shared it).
+    pub weight_passes: u64,
+    /// Requests that ran in those passes (`pass_requests / weight_passes`: the mean sharing).
+    pub pass_requests: u64,
+    /// Streamed weights, summed over weight passes (see [`WeightTiming`]).
     pub weight_bytes: u64,
     pub weight_transfer_s: f64,
     pub weight_gpu_compute_s: f64,
@@ -129,16 +136,25 @@ impl ServerMetrics {
                 Outcome::Failed { .. } => c.failed += 1,
             }
             c.compute_s += r.compute_s;
-            if let Some(w) = &r.weights {
+            if g.1.len() == RECENT {
+                g.1.pop_front();
+            }
+            g.1.push_back(r);
+        }
+    }
+
+    /// One weight pass ran, shared by `requests` requests; `weights`: what its streaming moved.
+    pub fn weight_pass(&self, requests: usize, weights: Option<&crate::streamer::StreamStats>) {
+        if let Ok(mut g) = self.inner.lock() {
+            let c = &mut g.0;
+            c.weight_passes += 1;
+            c.pass_requests += requests as u64;
+            if let Some(w) = weights.map(WeightTiming::of) {
                 c.weight_bytes += w.bytes;
                 c.weight_transfer_s += w.transfer_s;
                 c.weight_gpu_compute_s += w.gpu_compute_s;
                 c.weight_wait_s += w.wait_s;
             }
-            if g.1.len() == RECENT {
-                g.1.pop_front();
-            }
-            g.1.push_back(r);
         }
     }
 
@@ -193,11 +209,13 @@ pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRec
     count(&mut r, "requests_completed", "Prefill requests completed", c.completed);
     count(&mut r, "requests_refused", "Prefill requests refused", c.refused);
     count(&mut r, "requests_failed", "Prefill requests failed after acceptance", c.failed);
+    count(&mut r, "weight_passes", "Weight passes (sweeps of the executor over the layers; requests waiting together share one)", c.weight_passes);
+    count(&mut r, "pass_requests", "Requests run in those weight passes", c.pass_requests);
     count(&mut r, "tokens_prefilled", "Tokens prefilled by completed requests", c.tokens_prefilled);
     count(&mut r, "state_bytes_sent", "Hand-off state bytes delivered", c.state_bytes_sent);
     count(&mut r, "layers_sent", "Layer states sent", c.layers_sent);
     seconds(&mut r, "compute_seconds", "Executor time (network waits excluded)", c.compute_s);
-    count(&mut r, "weight_bytes", "Weight bytes streamed to the GPU", c.weight_bytes);
+    count(&mut r, "weight_bytes", "Weight bytes streamed to the GPU (once per weight pass)", c.weight_bytes);
     seconds(&mut r, "weight_transfer_seconds", "Copy stream busy with streamed weights", c.weight_transfer_s);
     seconds(&mut r, "weight_gpu_compute_seconds", "GPU compute of streamed layers (waits excluded)", c.weight_gpu_compute_s);
     seconds(&mut r, "weight_wait_seconds", "Compute waiting for streamed weights", c.weight_wait_s);
@@ -290,17 +308,22 @@ mod tests {
             total_s: 2.5,
             state_bytes: 10,
             weights,
+            pass_requests: 1,
         }
     }
 
     #[test]
-    fn streamed_weight_timing_is_summed_and_exported() {
+    fn streamed_weight_timing_is_summed_per_pass_and_exported() {
         let m = ServerMetrics::default();
+        let stats = |bytes, copy_s, compute_s, wait_s| crate::streamer::StreamStats { bytes, copy_s, compute_s, wait_s, ..Default::default() };
+        // Two passes: the first shared by requests 1 and 3, the second request 2's alone.
+        m.weight_pass(2, Some(&stats(3_000, 0.5, 1.5, 0.25)));
+        m.weight_pass(1, Some(&stats(1_000, 0.25, 1.0, 0.5)));
         m.record(record(1, Some(WeightTiming { bytes: 3_000, transfer_s: 0.5, gpu_compute_s: 1.5, wait_s: 0.25 })));
         m.record(record(2, Some(WeightTiming { bytes: 1_000, transfer_s: 0.25, gpu_compute_s: 1.0, wait_s: 0.5 })));
-        m.record(record(3, None));
+        m.record(record(3, Some(WeightTiming { bytes: 3_000, transfer_s: 0.5, gpu_compute_s: 1.5, wait_s: 0.25 })));
         let c = m.counters();
-        assert_eq!((c.completed, c.weight_bytes), (3, 4_000));
+        assert_eq!((c.completed, c.weight_bytes, c.weight_passes, c.pass_requests), (3, 4_000, 2, 3));
         assert_eq!((c.weight_transfer_s, c.weight_gpu_compute_s, c.weight_wait_s), (0.75, 2.5, 0.75));
         let recent = m.recent();
         let cost = k3_protocol::wire::NodeCost { pass_s: 28.5, queue_s: 3.0, ..Default::default() };
@@ -311,6 +334,7 @@ mod tests {
             "k3_prefill_weight_wait_seconds_total 0.75",
             "k3_prefill_weight_gpu_compute_seconds_total 2.5",
             "k3_prefill_requests_completed_total 3",
+            "k3_prefill_weight_passes_total 2",
             "k3_prefill_last_request_weight_wait_seconds 0.5",
             "k3_prefill_last_request_compute_seconds 2.0",
             "k3_prefill_cost_pass_seconds 28.5",

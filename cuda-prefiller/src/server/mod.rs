@@ -66,6 +66,10 @@ pub struct ServeOptions {
     /// Called with the certificate of each decoder whose handshake succeeded (`serve` saves an
     /// explicitly given `--decoder-fingerprint` only once a decoder has proved it).
     pub on_verified: Option<OnVerified>,
+    /// Shared weight pass: requests waiting when a pass starts join it while their activations
+    /// and states ([`crate::executor::pass_request_bytes`]) sum to at most this many bytes (the
+    /// first always runs); 0: every request has a pass of its own.
+    pub pass_budget_bytes: u64,
 }
 
 /// A callback on a verified decoder certificate (see [`ServeOptions::on_verified`]).
@@ -91,6 +95,7 @@ impl Default for ServeOptions {
             metrics_listen: None,
             source_bytes_per_s: None,
             on_verified: None,
+            pass_budget_bytes: 16 << 30,
         }
     }
 }
@@ -149,6 +154,7 @@ impl PrefillNode {
             PrefillServer::bind(listen, node).with_context(|| format!("listening on {listen}"))?
         };
         let addr = server.local_addr();
+        let metrics = Arc::new(ServerMetrics::default());
         let (jobs, worker) = worker::spawn(
             Arc::new(model),
             worker::WorkerOptions {
@@ -156,7 +162,9 @@ impl PrefillNode {
                 streamed: opts.streamed.clone(),
                 layer_delay: opts.layer_delay,
                 source_rate: opts.source_bytes_per_s.map(|r| (r, Arc::new(layer_bytes))),
+                pass_budget_bytes: opts.pass_budget_bytes,
                 meter: Some(meter.clone()),
+                metrics: Some(metrics.clone()),
             },
         )
         .context("starting the compute thread")?;
@@ -164,7 +172,7 @@ impl PrefillNode {
             text_config,
             sessions: Mutex::new(SessionStore::new(opts.store)),
             opts,
-            metrics: Arc::new(ServerMetrics::default()),
+            metrics,
             jobs: Mutex::new(jobs),
             in_flight: AtomicUsize::new(0),
             cost: meter,
@@ -240,6 +248,7 @@ impl PrefillNode {
             completed = snap.counters.completed,
             refused = snap.counters.refused,
             failed = snap.counters.failed,
+            weight_passes = snap.counters.weight_passes,
             tokens = snap.counters.tokens_prefilled,
             state_mb = format!("{:.1}", snap.counters.state_bytes_sent as f64 / 1e6),
             compute_s = format!("{:.2}", snap.counters.compute_s),

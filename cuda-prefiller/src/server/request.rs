@@ -108,6 +108,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         total_s: 0.0,
         state_bytes: 0,
         weights: None,
+        pass_requests: 0,
     };
     sh.metrics.update(|c| c.requests += 1);
 
@@ -224,18 +225,21 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         state: None,
         result: Err(anyhow::anyhow!("the compute worker stopped")),
         compute_s: 0.0,
+        compute_share_s: 0.0,
         network_wait_s: 0.0,
         queue_s: 0.0,
+        pass_requests: 0,
         weights: None,
         source: None,
     });
     drop(in_flight_guard);
     let measured = (send_err.is_none() && done.result.is_ok())
-        .then_some(k3_protocol::wire::RateSample { new_tokens, base_tokens: base, seconds: done.compute_s });
+        .then_some(k3_protocol::wire::RateSample { new_tokens, base_tokens: base, seconds: done.compute_share_s });
     sh.cost.finished(job_id, measured, done.source);
     record.weights = done.weights.as_ref().map(crate::server::metrics::WeightTiming::of);
     record.queue_s = done.queue_s;
     record.compute_s = done.compute_s;
+    record.pass_requests = done.pass_requests as u32;
     record.network_wait_s = done.network_wait_s;
     let failure = match (&send_err, &done.result, &done.state) {
         (Some(e), _, _) => Some(format!("transfer: {e}")),
@@ -284,6 +288,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         network_wait_s = format!("{:.3}", done.network_wait_s),
         total_s = format!("{:.3}", record.total_s),
         tok_per_s = format!("{:.1}", new_tokens as f64 / done.compute_s.max(1e-9)),
+        pass_requests = done.pass_requests,
         state_mb = format!("{:.2}", state_bytes as f64 / 1e6),
         weights_gb = record.weights.as_ref().map(|w| format!("{:.3}", w.bytes as f64 / 1e9)).unwrap_or_default(),
         weights_wait_s = record.weights.as_ref().map(|w| format!("{:.3}", w.wait_s)).unwrap_or_default(),
