@@ -12,6 +12,7 @@
 
 use std::ops::Deref;
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
 use k3_protocol::config::{AttnKind, FfnKind};
@@ -121,6 +122,10 @@ pub struct PrefillOutput {
     /// Per MoE layer `(layer, gap per new token)`: the router selection margin (golden `moe.topk_gap`).
     pub topk_gap: Vec<(usize, Vec<f32>)>,
     pub trace: Option<HiddenTrace>,
+    /// Per token chunk, in order: `(rows, seconds)` — the host's wall time spent on the chunk's
+    /// work over all layers (the routed experts shared by rows). On an asynchronous backend
+    /// (CUDA) this is the time to issue the work, not to run it.
+    pub chunk_seconds: Vec<(usize, f64)>,
 }
 
 impl PrefillOutput {
@@ -400,6 +405,8 @@ struct InPass<B: Backend> {
     trace: Option<HiddenTrace>,
     new_layers: Vec<LayerState>,
     topk_gap: Vec<(usize, Vec<f32>)>,
+    /// Wall seconds spent on each chunk so far.
+    chunk_s: Vec<f64>,
 }
 
 /// A request's residual chunks, built from its embeddings (checks the ids and the overrides).
@@ -476,6 +483,7 @@ fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state:
         n,
         kda_form: opts.kda_form.unwrap_or(if n == 1 { KdaForm::Recurrent } else { KdaForm::Chunked }),
         mla_form: opts.mla_form.unwrap_or(if n == 1 { MlaForm::Absorbed } else { MlaForm::Expanded }),
+        chunk_s: vec![0.0; chunks.len()],
         chunks,
         trace,
         new_layers: Vec::with_capacity(model.plan.len()),
@@ -634,14 +642,16 @@ pub fn prefill_many_with<B: Backend>(
                     let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
                     let cx = cx_of(r);
                     let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, .. } = r;
+                    let InPass { chunks, trace, chunk_s, .. } = r;
                     let res = (|| -> anyhow::Result<()> {
                         for (ci, ch) in chunks.iter_mut().enumerate() {
+                            let tc = Instant::now();
                             let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
                             let f = latent_moe_front(b, mw, &mid.x2, d)?;
                             gaps[i].extend_from_slice(&f.routing.gap);
                             mids[i].push(mid);
                             fronts[i].push(f);
+                            chunk_s[ci] += tc.elapsed().as_secs_f64();
                         }
                         Ok(())
                     })();
@@ -659,6 +669,7 @@ pub fn prefill_many_with<B: Backend>(
                     None => Vec::new(),
                 };
                 inputs.extend(slots.iter().map(|(x, r)| (x, r)));
+                let te = Instant::now();
                 let mut outs = match &mw.experts {
                     Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
                     None => feed.experts_in_chunks(model, l, &inputs),
@@ -674,17 +685,27 @@ pub fn prefill_many_with<B: Backend>(
                 drop(slots);
                 let counts: Vec<usize> = fronts.iter().map(Vec::len).collect();
                 drop(fronts);
+                // The experts' time, shared by rows.
+                let expert_s = te.elapsed().as_secs_f64();
+                let rows_all: usize = pass.iter().flatten().map(|r| r.chunks.iter().map(|c| c.rows).sum::<usize>()).sum();
+                for r in pass.iter_mut().flatten() {
+                    for (t, c) in r.chunk_s.iter_mut().zip(&r.chunks) {
+                        *t += expert_s * c.rows as f64 / rows_all.max(1) as f64;
+                    }
+                }
                 let mut outs = outs.into_iter();
                 for (i, mids_i) in mids.into_iter().enumerate() {
                     let outs_i: Vec<B::Buf> = outs.by_ref().take(counts[i]).collect();
                     let Some(r) = pass[i].as_mut() else { continue };
                     let cx = cx_of(r);
                     let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, .. } = r;
+                    let InPass { chunks, trace, chunk_s, .. } = r;
                     let res = (|| -> anyhow::Result<()> {
                         for (ci, ((ch, mid), y)) in chunks.iter_mut().zip(mids_i).zip(outs_i).enumerate() {
+                            let tc = Instant::now();
                             let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
                             finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                            chunk_s[ci] += tc.elapsed().as_secs_f64();
                         }
                         Ok(())
                     })();
@@ -698,9 +719,10 @@ pub fn prefill_many_with<B: Backend>(
                     let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
                     let cx = cx_of(r);
                     let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, .. } = r;
+                    let InPass { chunks, trace, chunk_s, .. } = r;
                     let res = (|| -> anyhow::Result<()> {
                         for (ci, ch) in chunks.iter_mut().enumerate() {
+                            let tc = Instant::now();
                             let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
                             let m = match ffn {
                                 FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
@@ -711,6 +733,7 @@ pub fn prefill_many_with<B: Backend>(
                                 }
                             };
                             finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+                            chunk_s[ci] += tc.elapsed().as_secs_f64();
                         }
                         Ok(())
                     })();
@@ -754,7 +777,8 @@ pub fn prefill_many_with<B: Backend>(
             match head_rows(model, &head, r, opts) {
                 Ok((logits, logits_rows)) => {
                     let (topk_gap, trace) = (std::mem::take(&mut r.topk_gap), r.trace.take());
-                    outputs[i] = Some(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace });
+                    let chunk_seconds = r.chunks.iter().map(|c| c.rows).zip(r.chunk_s.iter().copied()).collect();
+                    outputs[i] = Some(PrefillOutput { logits, logits_rows, vocab: d.vocab, topk_gap, trace, chunk_seconds });
                 }
                 Err(e) => drop_out(&mut pass, &mut errors, i, e.context("output head")),
             }

@@ -97,12 +97,12 @@ impl CostMeter {
     }
 
     /// The request left the node. `compute`: its measured compute (only for a completed
-    /// request); `source`: what its weight source read.
-    pub fn finished(&self, request: u64, compute: Option<RateSample>, source: Option<SourceRead>) {
+    /// request; [`compute_samples`]); `source`: what its weight source read.
+    pub fn finished(&self, request: u64, compute: Vec<RateSample>, source: Option<SourceRead>) {
         {
             let mut g = self.lock();
             g.pending.retain(|p| p.request != request);
-            if let Some(s) = compute {
+            for s in compute {
                 if g.samples.len() == SAMPLES {
                     g.samples.pop_front();
                 }
@@ -147,6 +147,28 @@ impl CostMeter {
     }
 }
 
+/// What a request's compute teaches the fit: the whole request (`n` new tokens after `base` in
+/// `seconds`), and, from its token chunks' times (`chunks`: `(rows, seconds)` in order), the
+/// requests its first chunks would have been — each prefix of `k` chunks costs the request's
+/// time outside the chunks plus those chunks' times. One long prompt so shows how the cost grows
+/// with the context the tokens attend to, which a single whole-request sample cannot.
+pub fn compute_samples(n: u64, base: u64, seconds: f64, chunks: &[(usize, f64)]) -> Vec<RateSample> {
+    let mut out = Vec::with_capacity(chunks.len().max(1));
+    let inside: f64 = chunks.iter().map(|c| c.1).sum();
+    if chunks.len() > 1 && inside > 0.0 && chunks.iter().map(|c| c.0 as u64).sum::<u64>() == n {
+        // Chunk times scaled so that the prefixes end at the request's own time.
+        let (outside, scale) = if inside <= seconds { (seconds - inside, 1.0) } else { (0.0, seconds / inside) };
+        let (mut rows, mut t) = (0u64, outside);
+        for c in &chunks[..chunks.len() - 1] {
+            rows += c.0 as u64;
+            t += c.1 * scale;
+            out.push(RateSample { new_tokens: rows, base_tokens: base, seconds: t });
+        }
+    }
+    out.push(RateSample { new_tokens: n, base_tokens: base, seconds });
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,7 +179,7 @@ mod tests {
         assert_eq!(m.current().pass_s, 5.0, "planned until measured");
         m.queued(1, 100, 0);
         m.started(1);
-        m.finished(1, Some(RateSample { new_tokens: 100, base_tokens: 0, seconds: 1.0 }), Some(SourceRead { bytes: 1_000_000, seconds: 2.0 }));
+        m.finished(1, vec![RateSample { new_tokens: 100, base_tokens: 0, seconds: 1.0 }], Some(SourceRead { bytes: 1_000_000, seconds: 2.0 }));
         let c = m.current();
         assert_eq!((c.pass_s, c.passes, c.queued), (2.0, 1, 0));
         assert!((c.compute.seconds(200, 0) - 2.0).abs() < 1e-9);
@@ -170,14 +192,31 @@ mod tests {
         // Two short ones: the pass (2 s) bounds their shared pass.
         m.queued(4, 10, 0);
         m.queued(5, 10, 0);
-        m.finished(2, None, None);
-        m.finished(3, None, None);
+        m.finished(2, Vec::new(), None);
+        m.finished(3, Vec::new(), None);
         let c = m.current();
         assert!((c.queue_s - 2.0).abs() < 1e-9, "{c:?}");
-        m.finished(4, None, None);
-        m.finished(5, None, None);
-        m.finished(2, None, None);
-        m.finished(3, None, None);
+        m.finished(4, Vec::new(), None);
+        m.finished(5, Vec::new(), None);
+        m.finished(2, Vec::new(), None);
+        m.finished(3, Vec::new(), None);
         assert_eq!(m.current().queue_s, 0.0);
+    }
+
+    #[test]
+    fn chunk_times_give_prefix_samples() {
+        // 3 chunks of 100 tokens, each slower than the one before (more context), 0.5 s outside.
+        let s = compute_samples(300, 50, 6.5, &[(100, 1.0), (100, 2.0), (100, 3.0)]);
+        let got: Vec<(u64, u64, f64)> = s.iter().map(|x| (x.new_tokens, x.base_tokens, x.seconds)).collect();
+        assert_eq!(got, vec![(100, 50, 1.5), (200, 50, 3.5), (300, 50, 6.5)]);
+        // A context-dependent cost is recovered from one request.
+        let truth = RateFit { fixed_s: 0.0, per_token_s: 1e-3, per_token_ctx_s: 1e-6, samples: 0 };
+        let chunks: Vec<(usize, f64)> = (0..4).map(|k| (500, truth.seconds(500, 500 * k))).collect();
+        let total: f64 = chunks.iter().map(|c| c.1).sum();
+        let f = RateFit::fit(&compute_samples(2000, 0, total, &chunks));
+        assert!((f.seconds(8000, 0) - truth.seconds(8000, 0)).abs() < 1e-6 * truth.seconds(8000, 0), "{f:?}");
+        // One chunk, or chunks that do not add up: the request alone.
+        assert_eq!(compute_samples(100, 0, 1.0, &[(100, 0.9)]).len(), 1);
+        assert_eq!(compute_samples(100, 0, 1.0, &[(40, 0.4), (40, 0.4)]).len(), 1);
     }
 }

@@ -197,7 +197,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         Err(_) => Err(job),
     };
     if let Err(job) = submitted {
-        sh.cost.finished(job_id, None, None);
+        sh.cost.finished(job_id, Vec::new(), None);
         start.put_back(&sh, Some(job.state));
         tx.abort(ErrorCode::ShuttingDown, "the compute worker is gone").await;
         record.outcome = Outcome::Failed { reason: "the compute worker is gone".into() };
@@ -229,12 +229,15 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
         network_wait_s: 0.0,
         queue_s: 0.0,
         pass_requests: 0,
+        chunk_seconds: Vec::new(),
         weights: None,
         source: None,
     });
     drop(in_flight_guard);
-    let measured = (send_err.is_none() && done.result.is_ok())
-        .then_some(k3_protocol::wire::RateSample { new_tokens, base_tokens: base, seconds: done.compute_share_s });
+    let measured = match send_err.is_none() && done.result.is_ok() {
+        true => crate::server::cost::compute_samples(new_tokens, base, done.compute_share_s, &done.chunk_seconds),
+        false => Vec::new(),
+    };
     sh.cost.finished(job_id, measured, done.source);
     record.weights = done.weights.as_ref().map(crate::server::metrics::WeightTiming::of);
     record.queue_s = done.queue_s;

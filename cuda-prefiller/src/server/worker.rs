@@ -45,6 +45,9 @@ pub struct JobDone {
     pub queue_s: f64,
     /// Requests that shared the weight pass (1: alone).
     pub pass_requests: usize,
+    /// The job's token chunks: `(rows, seconds)` of compute each (empty on an asynchronous
+    /// backend, whose host times are not compute times), for the node's compute fit.
+    pub chunk_seconds: Vec<(usize, f64)>,
     /// Weight streaming of the pass (CUDA streamer; `None` with resident or per-layer weights).
     pub weights: Option<crate::streamer::StreamStats>,
     /// What the weight source read for the pass (streamer or throttled source; `None`: resident,
@@ -62,6 +65,7 @@ impl JobDone {
             network_wait_s: 0.0,
             queue_s,
             pass_requests: 0,
+            chunk_seconds: Vec::new(),
             weights: None,
             source: None,
         }
@@ -258,21 +262,26 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
     if let Some(m) = &opts.metrics {
         m.weight_pass(count, weights.as_ref());
     }
-    let mut results: Vec<(Option<HandoffState>, anyhow::Result<Vec<f32>>)> = Vec::with_capacity(count);
+    let host_timed = !crate::streamer::is_cuda_backend(&*model.backend);
+    let mut results: Vec<(Option<HandoffState>, anyhow::Result<Vec<f32>>, Vec<(usize, f64)>)> = Vec::with_capacity(count);
     match res {
         Ok(Ok((outs, _))) => {
             for (state, out) in states.into_iter().zip(outs) {
+                let chunks = match (&out, host_timed) {
+                    (Ok(o), true) => o.chunk_seconds.clone(),
+                    _ => Vec::new(),
+                };
                 let r = out.and_then(|out| {
                     anyhow::ensure!(out.logits_rows == 1 && out.logits.len() == out.vocab, "executor returned {} logits rows, expected 1", out.logits_rows);
                     Ok(out.logits)
                 });
-                results.push((Some(state), r));
+                results.push((Some(state), r, chunks));
             }
         }
         Ok(Err(e)) => {
             let why = format!("{e:#}");
             for state in states {
-                results.push((Some(state), Err(anyhow::anyhow!("{why}"))));
+                results.push((Some(state), Err(anyhow::anyhow!("{why}")), Vec::new()));
             }
         }
         Err(p) => {
@@ -283,11 +292,11 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
                 .unwrap_or_else(|| "unknown panic".into());
             tracing::error!(requests = count, "the executor panicked: {what}; the sessions' prefixes are dropped");
             for _ in 0..count {
-                results.push((None, Err(anyhow::anyhow!("internal error in the executor: {what}"))));
+                results.push((None, Err(anyhow::anyhow!("internal error in the executor: {what}")), Vec::new()));
             }
         }
     }
-    for (i, ((done, queue_s), (state, result))) in meta.into_iter().zip(results).enumerate() {
+    for (i, ((done, queue_s), (state, result, chunk_seconds))) in meta.into_iter().zip(results).enumerate() {
         let _ = done.send(JobDone {
             state,
             result,
@@ -296,6 +305,7 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
             network_wait_s,
             queue_s,
             pass_requests: count,
+            chunk_seconds,
             weights: weights.clone(),
             source: if i == 0 { source } else { None },
         });

@@ -228,6 +228,13 @@ impl RemotePrefiller {
         &self.opts
     }
 
+    /// Changes the manual override (`--remote-min-tokens`): `Some(n)` sends turns of at least `n`
+    /// new tokens to the node, `None` routes by predicted time.
+    pub fn set_min_tokens(&mut self, min_tokens: Option<usize>) {
+        self.opts.min_tokens = min_tokens;
+        self.router.policy.min_tokens = min_tokens;
+    }
+
     /// The routing state: local rate, tail, predicted against measured times.
     pub fn router(&self) -> &Router {
         &self.router
@@ -262,10 +269,12 @@ impl RemotePrefiller {
         let vocab = engine.text_config().vocab_size.max(2) as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| 1 + (i * 7919) % (vocab - 1)).filter(|&t| t != self.media_token).collect();
         let t = Instant::now();
-        match Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids, None)) {
+        let mut scratch = Conversation::new(engine);
+        match scratch.as_mut().map_err(|e| anyhow::anyhow!("{e:#}")).and_then(|c| c.prefill_local(engine, &ids, None)) {
             Ok(_) => {
                 let s = t.elapsed().as_secs_f64();
-                self.router.record_local(ids.len() as u64, 0, s);
+                let marks = scratch.as_ref().map(|c| c.session().prefill_marks().to_vec()).unwrap_or_default();
+                self.router.record_local_chunks(ids.len() as u64, 0, s, &marks);
                 tracing::info!(tokens = ids.len(), seconds = format!("{s:.3}"), tok_per_s = format!("{:.1}", ids.len() as f64 / s), "local prefill rate calibrated");
             }
             Err(e) => tracing::warn!("local prefill calibration failed: {e:#}; using the default rate"),
@@ -404,7 +413,7 @@ impl RemotePrefiller {
         if let Some(p) = timing.predicted_local_s {
             self.router.record_outcome(Outcome { remote: false, predicted_s: p, measured_s: s });
         }
-        self.router.record_local(tokens.len() as u64, base, s);
+        self.router.record_local_chunks(tokens.len() as u64, base, s, conv.session().prefill_marks());
         timing.route = route;
         timing.reason = reason;
         timing.prefill_tokens = tokens.len();
