@@ -2,13 +2,14 @@
 # The benchmark runs of docs/cuda.md, on the GPU machine (repository root, .devbin carried; see
 # scripts/gpu-pack.sh). Every timing comes from `k3-prefill bench --model DIR` (the executor and
 # weight streamer that forward and serve run) except the kernels-alone and peer steps.
-# Usage: scripts/gpu-bench.sh [tests] [synth] [pinned] [window] [pagecache] [budget] [disk] [kernels] [peer]
+# Usage: scripts/gpu-bench.sh [tests] [synth] [pinned] [window] [pagecache] [shared] [budget] [disk] [kernels] [peer]
 #        [engine] [ppinned] [pengine] [experts]   (default: tests synth pinned pagecache budget disk).
 # `engine` / `pengine`: the pinned run (with K3_PROFILE=1: `pengine`) with K3_HOST_COPY=engine, the
 # former host <-> device copies of the compute stream (cuMemcpy + synchronisation, through the copy
 # engines) — the "before" of docs/cuda.md's session-5 table; `ppinned`: K3_PROFILE=1 pinned (per-step
 # GPU time and the executor thread's blocking calls); `experts`: the routed-expert kernels alone
-# (mma.sync and dense path). Session 5's runs: `PTOK=32768,131072 KERNEL_TOKENS=32768
+# (mma.sync and dense path); `shared`: one 8k-token prompt against 4 in one shared weight pass
+# (issue 22, bench --concurrent). Session 5's runs: `PTOK=32768,131072 KERNEL_TOKENS=32768
 # scripts/gpu-bench.sh synth pengine ppinned experts`.
 # K3 widths: `synth` writes a 3-layer K3-width checkpoint (dense layer 0, a KDA and an MLA MoE
 # layer, 38.6 GiB) into tmpfs ($K3_DIR, default /dev/shm/k3), i.e. held in host RAM and read by the
@@ -36,6 +37,7 @@ for s in $steps; do
     experts) timeout 300 $B bench --kernels --experts-only --tokens ${KERNEL_TOKENS:-32768,131072} 2>&1 | tee "$OUT/experts.log" ;;
     window)  timeout 300 $B bench --model "$K3" --backend cuda --pin-host --copy-window ${WINDOW:-4} --tokens $TOK 2>&1 | tee "$OUT/window.log" | tail -${TAIL:-30} ;;
     pagecache) timeout 300 $B bench --model "$K3" --backend cuda --tokens $TOK 2>&1 | tee "$OUT/pagecache.log" | tail -${TAIL:-30} ;;
+    shared)  timeout 300 $B bench --model "$K3" --backend cuda --tokens ${SHARED_TOKENS:-8192} --concurrent ${SHARED_N:-4} --source-probe-gb 2 2>&1 | tee "$OUT/shared.log" | tail -${TAIL:-30} ;;
     budget)  timeout 300 $B bench --model "$K3" --backend cuda --vram-budget 24 --tokens ${BUDGET_TOKENS:-8192,32768} 2>&1 | tee "$OUT/budget.log" | tail -${TAIL:-30} ;;
     disk)    mkdir -p "$DISK"; [ -f "$DISK/config.json" ] || { /usr/bin/time -f "synth (disk): %e s" $B synth --preset k3 --layers 1 --seed 1 --no-progress --out "$DISK" 2>&1 | tail -2; sync; }
              df -hT "$DISK" | tail -1

@@ -260,7 +260,10 @@ impl RemotePrefiller {
         })
     }
 
-    /// A first measurement of the local rate: a short prefill on a scratch conversation.
+    /// A first measurement of the local rate: a short prefill on a scratch conversation, after
+    /// an untimed one of a few tokens (a cold engine's first call pays one-time costs — kernel
+    /// compilation, allocation — that later prefills do not, and would inflate the fit's fixed
+    /// term).
     fn calibrate(&mut self, engine: &Engine) {
         let n = self.router.policy.calibration_tokens;
         if n == 0 || self.router.local_measured() {
@@ -268,6 +271,9 @@ impl RemotePrefiller {
         }
         let vocab = engine.text_config().vocab_size.max(2) as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| 1 + (i * 7919) % (vocab - 1)).filter(|&t| t != self.media_token).collect();
+        if let Err(e) = Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids[..ids.len().min(8)], None)) {
+            tracing::warn!("local prefill warm-up failed: {e:#}");
+        }
         let t = Instant::now();
         let mut scratch = Conversation::new(engine);
         match scratch.as_mut().map_err(|e| anyhow::anyhow!("{e:#}")).and_then(|c| c.prefill_local(engine, &ids, None)) {
