@@ -115,20 +115,20 @@ fn throttled_node_short_turns_stay_local_long_turns_go_remote() {
             }
             assert!(accurate, "{n} tokens: predicted {:.3} s, measured {:.3} s ({:?})", chosen.predicted_s, chosen.measured_s, t.route);
             assert!(faster, "{n} tokens: chose {:?} ({chosen_m:.3} s) but the other route took {other_m:.3} s", t.route);
-            routes.push(t.route);
+            routes.push((t.route, pl, pr));
             break;
         }
     }
     eprintln!("worst relative error of the timed decisions: {:.0} %", worst * 100.0);
-    assert_eq!(&routes[..2], &[Route::Local, Route::Local], "short turns stay local");
-    let (node_long, local_long) = (node.cost().predict_s(3000, 0), r.router().local_s(3000, 0));
-    if node_long * 1.3 < local_long {
-        assert_eq!(routes[3], Route::Remote, "a long turn goes remote");
-    } else {
-        eprintln!(
-            "not checkable on this box: the node's predicted {node_long:.3} s for 3000 tokens is not well below the local {local_long:.3} s \
-             (its CPU compute is not faster than the local engine here)"
-        );
+    assert_eq!((routes[0].0, routes[1].0), (Route::Local, Route::Local), "short turns stay local");
+    // The long turns go remote where the node was predicted well ahead (the predictions at the
+    // decision; the box's CPU node is not always faster than its local engine at these sizes).
+    for (n, (route, pl, pr)) in [1200, 3000].into_iter().zip(&routes[2..]) {
+        if pr * 1.3 < *pl {
+            assert_eq!(*route, Route::Remote, "{n} tokens: a long turn goes remote");
+        } else {
+            eprintln!("{n} tokens: not checkable here: remote predicted {pr:.3} s is not well below local {pl:.3} s");
+        }
     }
     drop(manual);
 }
