@@ -62,19 +62,12 @@ pub use crate::vision::ImageEmbeds;
 pub struct Session {
     cache: ModelCache,
     last_logits: Option<Vec<f32>>,
-    /// The last local prefill's chunks as they finished: `(tokens so far, seconds so far)`.
-    prefill_marks: Vec<(usize, f64)>,
 }
 
 impl Session {
     /// Tokens consumed so far.
     pub fn tokens(&self) -> usize {
         self.cache.tokens
-    }
-    /// The last local prefill's progress: after each chunk, `(new tokens done, seconds since the
-    /// prefill started)` — how its cost grew with the context (the routing's local rate fit).
-    pub fn prefill_marks(&self) -> &[(usize, f64)] {
-        &self.prefill_marks
     }
     /// Logits predicting the next token (after a prefill, an ingest with logits, or a step).
     pub fn last_logits(&self) -> Option<&[f32]> {
@@ -200,7 +193,7 @@ impl Engine {
     }
 
     pub fn new_session(&self) -> Result<Session> {
-        Ok(Session { cache: ModelCache::new(self.text_config())?, last_logits: None, prefill_marks: Vec::new() })
+        Ok(Session { cache: ModelCache::new(self.text_config())?, last_logits: None })
     }
 
     fn check_ids(&self, tokens: &[u32]) -> Result<Vec<i32>> {
@@ -261,7 +254,6 @@ impl Engine {
             bail!("prefill of an empty prompt");
         }
         let t0 = Instant::now();
-        s.prefill_marks.clear();
         let x = self.embeddings(tokens, image)?;
         let mut out = Vec::new();
         let n = tokens.len();
@@ -287,7 +279,6 @@ impl Engine {
                 }
             }
             c0 = c1;
-            s.prefill_marks.push((c1, t0.elapsed().as_secs_f64()));
         }
         let vocab = self.text_config().vocab_size;
         s.last_logits = Some(out[out.len() - vocab..].to_vec());

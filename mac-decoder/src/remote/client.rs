@@ -275,12 +275,10 @@ impl RemotePrefiller {
             tracing::warn!("local prefill warm-up failed: {e:#}");
         }
         let t = Instant::now();
-        let mut scratch = Conversation::new(engine);
-        match scratch.as_mut().map_err(|e| anyhow::anyhow!("{e:#}")).and_then(|c| c.prefill_local(engine, &ids, None)) {
+        match Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids, None)) {
             Ok(_) => {
                 let s = t.elapsed().as_secs_f64();
-                let marks = scratch.as_ref().map(|c| c.session().prefill_marks().to_vec()).unwrap_or_default();
-                self.router.record_local_chunks(ids.len() as u64, 0, s, &marks);
+                self.router.record_local(ids.len() as u64, 0, s);
                 tracing::info!(tokens = ids.len(), seconds = format!("{s:.3}"), tok_per_s = format!("{:.1}", ids.len() as f64 / s), "local prefill rate calibrated");
             }
             Err(e) => tracing::warn!("local prefill calibration failed: {e:#}; using the default rate"),
@@ -419,7 +417,7 @@ impl RemotePrefiller {
         if let Some(p) = timing.predicted_local_s {
             self.router.record_outcome(Outcome { remote: false, predicted_s: p, measured_s: s });
         }
-        self.router.record_local_chunks(tokens.len() as u64, base, s, conv.session().prefill_marks());
+        self.router.record_local(tokens.len() as u64, base, s);
         timing.route = route;
         timing.reason = reason;
         timing.prefill_tokens = tokens.len();

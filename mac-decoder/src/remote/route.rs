@@ -151,20 +151,6 @@ impl Router {
         self.local_fit = RateFit::fit(&self.local.iter().copied().collect::<Vec<_>>());
     }
 
-    /// A local prefill of `n` tokens after `base` that took `seconds`, with its chunks' progress
-    /// (`marks`: new tokens done and seconds so far after each chunk,
-    /// [`Session::prefill_marks`](crate::decode::Session::prefill_marks)): each earlier chunk
-    /// boundary is a shorter prefill of its own, so one long prefill shows how the local cost
-    /// grows with the context.
-    pub fn record_local_chunks(&mut self, n: u64, base: u64, seconds: f64, marks: &[(usize, f64)]) {
-        if marks.last().is_some_and(|m| m.0 as u64 == n) {
-            for &(done, t) in &marks[..marks.len() - 1] {
-                self.record_local(done as u64, base, t.min(seconds));
-            }
-        }
-        self.record_local(n, base, seconds);
-    }
-
     /// A remote turn's measured hand-off tail (last layer done on the node → state usable here).
     pub fn record_tail(&mut self, tail_s: f64) {
         if tail_s.is_finite() && tail_s >= 0.0 {
@@ -227,12 +213,6 @@ mod tests {
         r.record_local(100, 0, 0.5);
         assert!(r.local_measured());
         assert!((r.local_s(400, 0) - 2.0).abs() < 1e-9);
-        // One chunked prefill whose chunks slow down with the context: the fit follows it.
-        let truth = RateFit { fixed_s: 0.0, per_token_s: 1e-3, per_token_ctx_s: 1e-6, samples: 0 };
-        let marks: Vec<(usize, f64)> = (1..=8).map(|k| (256 * k, truth.seconds(256 * k as u64, 0))).collect();
-        let mut c = Router::new(RoutePolicy::default());
-        c.record_local_chunks(2048, 0, truth.seconds(2048, 0), &marks);
-        assert!((c.local_s(6000, 0) - truth.seconds(6000, 0)).abs() < 1e-6, "{:?}", c.local_fit());
         r.record_tail(1.0);
         r.record_tail(0.5);
         assert!((r.tail_s() - 0.75).abs() < 1e-12);
