@@ -908,7 +908,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         let layout = plan_s.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
         let n = plan_s.image_of(l)?.experts.len();
         crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
-        let plan = b.moe_plan_merged(inputs, n, &layout)?;
+        let plans = b.moe_plans_by_k(inputs, n, &layout)?;
         let mut covered = 0;
         while covered < n {
             let (u, unit) = self.take_unit(|x| matches!(x, Unit::Experts { layer, .. } if *layer == l), &format!("layer {l} experts from {covered}"))?;
@@ -916,13 +916,14 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
             ensure!(lo == covered, "weight streamer: layer {l} experts {lo}..{hi} arrived, {covered}.. expected");
             let wbase = self.sw.slot_ptr[1][plan_s.slot[u]];
             crate::cuda::profile::begin(&b.gpu, "routed experts")?;
-            b.moe_run_chunk(&plan, &layout, wbase, lo, hi, model.dims.situ, None)?;
+            for (_, plan) in &plans {
+                b.moe_run_chunk(plan, &layout, wbase, lo, hi, model.dims.situ, None)?;
+            }
             self.release(u)?;
             covered = hi;
         }
         crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
-        let rows: Vec<usize> = inputs.iter().map(|(x, _)| crate::backend::DeviceBuf::rows(*x)).collect();
-        b.moe_split(b.moe_combine(&plan, layout.latent)?, &rows)
+        b.moe_outputs_by_k(plans, inputs, layout.latent)
     }
 
     fn embed(&mut self, model: &crate::model::Model<crate::cuda::CudaBackend>, ids: &[u32]) -> Result<Option<crate::cuda::backend::CudaBuf>> {

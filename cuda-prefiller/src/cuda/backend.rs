@@ -554,6 +554,37 @@ impl CudaBackend {
         self.moe_plan_for(&x, &routing, n, layout)
     }
 
+    /// Plans for inputs routed with different top-k (calibration adds a top-1 input beside the
+    /// layer's top-k chunks, docs/pruning.md): one merged plan per distinct top-k, each with the
+    /// indices of its inputs in `inputs`. Every expert chunk then runs against each plan, so
+    /// streamed experts still cross PCIe once.
+    pub fn moe_plans_by_k(&self, inputs: &[(&CudaBuf, &Routing)], n: usize, layout: &ExpertLayout) -> Result<Vec<(Vec<usize>, MoePlan)>> {
+        let mut ks: Vec<usize> = inputs.iter().map(|(_, r)| r.top_k).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        ks.into_iter()
+            .map(|k| {
+                let idx: Vec<usize> = (0..inputs.len()).filter(|&i| inputs[i].1.top_k == k).collect();
+                let group: Vec<(&CudaBuf, &Routing)> = idx.iter().map(|&i| inputs[i]).collect();
+                Ok((idx, self.moe_plan_merged(&group, n, layout)?))
+            })
+            .collect()
+    }
+
+    /// The outputs of [`CudaBackend::moe_plans_by_k`]'s plans (after their expert runs), back in
+    /// the order of `inputs`.
+    pub fn moe_outputs_by_k(&self, plans: Vec<(Vec<usize>, MoePlan)>, inputs: &[(&CudaBuf, &Routing)], latent: usize) -> Result<Vec<CudaBuf>> {
+        let mut out: Vec<Option<CudaBuf>> = (0..inputs.len()).map(|_| None).collect();
+        for (idx, plan) in plans {
+            let rows: Vec<usize> = idx.iter().map(|&i| inputs[i].0.rows).collect();
+            let parts = self.moe_split(self.moe_combine(&plan, latent)?, &rows)?;
+            for (i, b) in idx.into_iter().zip(parts) {
+                out[i] = Some(b);
+            }
+        }
+        out.into_iter().enumerate().map(|(i, b)| b.ok_or_else(|| anyhow::anyhow!("moe: input {i} has no output"))).collect()
+    }
+
     /// Splits a combined `[Σ rows, cols]` output back into the inputs' row counts.
     pub fn moe_split(&self, out: CudaBuf, rows: &[usize]) -> Result<Vec<CudaBuf>> {
         ensure!(rows.iter().sum::<usize>() == out.rows, "moe: {} output rows for {} input rows", out.rows, rows.iter().sum::<usize>());
@@ -914,10 +945,11 @@ impl Backend for CudaBackend {
                 bytes += inputs[j].1.ids.len() * per_row;
                 j += 1;
             }
-            let plan = self.moe_plan_merged(&inputs[i..j], experts.n, &layout)?;
-            self.moe_run_chunk(&plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
-            let rows: Vec<usize> = inputs[i..j].iter().map(|(x, _)| x.rows).collect();
-            out.extend(self.moe_split(self.moe_combine(&plan, layout.latent)?, &rows)?);
+            let plans = self.moe_plans_by_k(&inputs[i..j], experts.n, &layout)?;
+            for (_, plan) in &plans {
+                self.moe_run_chunk(plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
+            }
+            out.extend(self.moe_outputs_by_k(plans, &inputs[i..j], layout.latent)?);
             i = j;
         }
         Ok(out)
