@@ -51,8 +51,10 @@ EOF
 echo "=== plain prefill: bench ($(date +%T))"
 timeout 120 $B bench --model "$K3" --backend $BACKEND --tokens "$TOK" 2>&1 | tee "$OUT/bench.log" | tail -4
 say "bench $TOK tokens (default chunks): $(awk -v t="$TOK" '$2 == t' "$OUT/bench.log" | head -1)"
-timeout 120 $B bench --model "$K3" --backend $BACKEND --tokens "$TOK" --chunk-tokens 2048 2>&1 | tee "$OUT/bench-2048.log" | tail -2
-say "bench $TOK tokens (2048-token chunks, as calibrate): $(awk -v t="$TOK" '$2 == t' "$OUT/bench-2048.log" | head -1)"
+if [ -n "${BENCH_2048:-}" ]; then
+  timeout 120 $B bench --model "$K3" --backend $BACKEND --tokens "$TOK" --chunk-tokens 2048 2>&1 | tee "$OUT/bench-2048.log" | tail -2
+  say "bench $TOK tokens (2048-token chunks, as calibrate): $(awk -v t="$TOK" '$2 == t' "$OUT/bench-2048.log" | head -1)"
+fi
 
 echo "=== calibrate ($(date +%T))"
 RUST_LOG=info timeout 150 $B calibrate --model "$K3" --prompts "$OUT/prompts.jsonl" --out "$OUT/stats.json" --backend $BACKEND --fresh 2>&1 \

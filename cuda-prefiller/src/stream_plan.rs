@@ -175,7 +175,7 @@ impl StreamPlan {
         if spec.ffn == FfnKind::LatentMoe {
             let lay = layout.context("a MoE layer without an expert layout")?;
             let (inter, lat) = (lay.inter, lay.latent);
-            for ex in 0..cfg.num_experts {
+            for ex in 0..cfg.experts_in_layer(spec.index) {
                 let pieces = lay.parts().map(|(w, kind, poff, len)| -> Result<ExpertPiece> {
                     let name = expert_tensor(spec.index, ex, w, kind);
                     let e = ck.entry(&name).with_context(|| format!("tensor {name} is not in the checkpoint"))?;

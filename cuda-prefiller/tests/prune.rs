@@ -152,12 +152,40 @@ fn calibration_resumes_to_the_same_statistics() {
     let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &out)).unwrap_err());
     assert!(e.contains("differ"), "{e}");
     // Bad prompt lines name the line.
-    std::fs::write(&other, "[1, 2]\n{\"text\": \"hello\"}\n").unwrap();
+    std::fs::write(&other, "[1, 2]\n{\"text\": 5}\n").unwrap();
     let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &d.path().join("x.json"))).unwrap_err());
-    assert!(e.contains("line 2") && e.contains("tokenizer"), "{e}");
+    assert!(e.contains("line 2") && e.contains("must be a string"), "{e}");
     std::fs::write(&other, "[1, -2]\n").unwrap();
     let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &other, &d.path().join("x.json"))).unwrap_err());
     assert!(e.contains("line 1") && e.contains("entry 1"), "{e}");
+}
+
+/// `{"text": ...}` prompts are tokenized with the checkpoint's tokenizer: the statistics equal
+/// those of the same prompts given as token ids.
+#[test]
+fn text_prompts_use_the_checkpoints_tokenizer() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("m");
+    synth(&dir, 11, 3);
+    let texts = ["The quick brown fox jumps over the lazy dog.", "Pruning keeps the experts that matter; 12345 <|im_end|> stays text."];
+    let tok = k3_protocol::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let ids: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, false).unwrap()).collect();
+    assert!(ids.iter().all(|p| p.len() > 5), "{ids:?}");
+    let text_file = d.path().join("text.jsonl");
+    let lines: Vec<String> = texts.iter().map(|t| serde_json::json!({ "text": t }).to_string()).collect();
+    std::fs::write(&text_file, lines.join("\n") + "\n").unwrap();
+    let id_file = d.path().join("ids.jsonl");
+    write_prompts(&id_file, &ids);
+    let a = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &text_file, &d.path().join("a.json"))).unwrap();
+    let mut b = cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &id_file, &d.path().join("b.json"))).unwrap();
+    assert_eq!(a.tokens, ids.iter().map(|p| p.len() as u64).sum::<u64>());
+    assert_ne!(a.prompts_digest, b.prompts_digest, "the digest covers the lines as written");
+    b.prompts_digest = a.prompts_digest.clone();
+    same_stats(&a, &b);
+    // A model directory without a tokenizer is named.
+    std::fs::remove_file(dir.join("tiktoken.model")).unwrap();
+    let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&dir, &text_file, &d.path().join("c.json"))).unwrap_err());
+    assert!(e.contains("line 1") && e.contains("tokenizer") && e.contains("tiktoken.model"), "{e}");
 }
 
 /// A copy of `src` whose routers never select the experts outside `kept` (bias −1e30).
@@ -217,6 +245,51 @@ fn pruning_equals_masked_routing_and_keeping_all_is_a_no_op() {
     assert_eq!(bits(&p.logits), bits(&q.logits), "pruned = masked routing");
     assert_ne!(bits(&p.logits), bits(&full.logits), "dropping experts changes the model");
     assert_ne!(Checkpoint::open(&six).unwrap().fingerprint(), Checkpoint::open(&src).unwrap().fingerprint());
+
+    // --mode global, 6 per layer on average: per-layer counts from one ranking (at least top-4
+    // each), the config says so, and the model still equals masked routing bit for bit.
+    let global = d.path().join("global");
+    let mut a = prune_args(&src, &stats, Some(6), &global);
+    a.mode = pr::Mode::Global;
+    pr::run_args(&a).unwrap();
+    let rec = PruneRecord::load(&global).unwrap().unwrap();
+    assert_eq!(rec.mode, "global");
+    let counts: Vec<usize> = rec.kept.values().map(|k| k.len()).collect();
+    assert_eq!(counts.iter().sum::<usize>(), 6 * counts.len());
+    assert!(counts.iter().all(|&c| (4..=16).contains(&c)), "{counts:?}");
+    assert!(counts.iter().any(|&c| c != 6), "a global ranking of this model gave uniform counts {counts:?}");
+    let gck = Checkpoint::open(&global).unwrap();
+    let tc = &gck.config().text_config;
+    assert_eq!(tc.num_experts, *counts.iter().max().unwrap());
+    for (l, ids) in &rec.kept {
+        assert_eq!(tc.experts_in_layer(*l), ids.len());
+    }
+    // The global ranking: every expert kept above a layer's floor scores at least as high as
+    // every expert dropped (REAP saliency).
+    let st = ExpertStats::load(&stats).unwrap();
+    let (mut min_kept, mut max_dropped) = (f64::INFINITY, f64::NEG_INFINITY);
+    for ls in &st.layers {
+        let ids = &rec.kept[&ls.layer];
+        let mut kept_scores: Vec<f64> = ids.iter().map(|&e| ls.reap(e)).collect();
+        kept_scores.sort_by(|a, b| b.total_cmp(a));
+        min_kept = kept_scores[4..].iter().copied().fold(min_kept, f64::min);
+        max_dropped = (0..16).filter(|e| !ids.contains(e)).map(|e| ls.reap(e)).fold(max_dropped, f64::max);
+    }
+    assert!(min_kept >= max_dropped, "kept above the floor {min_kept} < dropped {max_dropped}");
+    let kept: Vec<(usize, Vec<usize>)> = rec.kept.clone().into_iter().collect();
+    let gmasked = d.path().join("gmasked");
+    masked_copy(&src, &gmasked, &kept);
+    let (p, _) = run(&model(&global), &ids, &opts);
+    let (q, _) = run(&model(&gmasked), &ids, &opts);
+    assert_eq!(bits(&p.logits), bits(&q.logits), "global pruning = masked routing");
+    assert_eq!(gck.state_identity(), Checkpoint::open(&src).unwrap().state_identity());
+    // A per-layer pruned model is not pruned again.
+    let gstats = d.path().join("gstats.json");
+    ExpertStats::new(tc, &gck.fingerprint()).save(&gstats).unwrap();
+    let mut a = prune_args(&global, &gstats, Some(4), &d.path().join("again"));
+    a.criterion = Criterion::Random;
+    let e = format!("{:#}", pr::run_args(&a).unwrap_err());
+    assert!(e.contains("pruned per layer"), "{e}");
 }
 
 #[test]
@@ -242,10 +315,33 @@ fn bad_prune_inputs_name_the_cause() {
     a.budget_gb = Some(0.0001);
     let e = err(a);
     assert!(e.contains("no pruned model fits"), "{e}");
-    let mut a = prune_args(&src, &stats, Some(8), &out);
-    a.mode = pr::Mode::Global;
-    let e = err(a);
-    assert!(e.contains("--mode global"), "{e}");
+    for gb in [0.0, -1.0, f64::NAN] {
+        let mut a = prune_args(&src, &stats, None, &out);
+        a.budget_gb = Some(gb);
+        let e = err(a);
+        assert!(e.contains("must be a positive number"), "{e}");
+    }
+    let global = |keep: Option<usize>, gb: Option<f64>| {
+        let mut a = prune_args(&src, &stats, keep, &out);
+        a.mode = pr::Mode::Global;
+        a.budget_gb = gb;
+        a
+    };
+    let e = err(global(Some(3), None));
+    assert!(e.contains("below the router's top-k (4"), "{e}");
+    let e = err(global(Some(17), None));
+    assert!(e.contains("--keep 17 exceeds"), "{e}");
+    let e = err(global(None, Some(0.0001)));
+    assert!(e.contains("no pruned model fits"), "{e}");
+    // Statistics without tokens rank nothing (random selection needs none).
+    let empty = d.path().join("empty.json");
+    let ck = Checkpoint::open(&src).unwrap();
+    ExpertStats::new(&ck.config().text_config, &ck.fingerprint()).save(&empty).unwrap();
+    let e = err(prune_args(&src, &empty, Some(8), &out));
+    assert!(e.contains("no calibration tokens"), "{e}");
+    // Calibration does not resume statistics of another model.
+    let e = format!("{:#}", cal::run_with(Arc::new(CpuBackend), &cal_args(&other, &pf, &stats)).unwrap_err());
+    assert!(e.contains("another model"), "{e}");
     assert!(!out.exists(), "no output after errors");
     // A budget that fits picks the largest count that fits.
     let mut a = prune_args(&src, &stats, None, &out);

@@ -97,6 +97,8 @@ pub struct Engine {
     config: K3Config,
     model: K3Text,
     fingerprint: Fingerprint,
+    /// The state-compatibility identity (docs/pruning.md).
+    state_identity: Fingerprint,
     options: EngineOptions,
     /// The decoder ranks this engine is one of (a group of one in a single process).
     world: &'static crate::distributed::Group,
@@ -123,6 +125,7 @@ impl Engine {
         let ck = Checkpoint::open(dir).with_context(|| format!("opening checkpoint {}", dir.display()))?;
         let config = ck.config().clone();
         let fingerprint = ck.fingerprint();
+        let state_identity = ck.state_identity();
         let dtype = match compute {
             ComputeDtype::F32 => mlx_rs::Dtype::Float32,
             ComputeDtype::Bf16 => mlx_rs::Dtype::Bfloat16,
@@ -154,7 +157,7 @@ impl Engine {
             ranks = world.size(),
             "model loaded"
         );
-        Ok(Engine { config, model, fingerprint, options, world, cancel: Default::default() })
+        Ok(Engine { config, model, fingerprint, state_identity, options, world, cancel: Default::default() })
     }
 
     /// The flag that cancels local prefills: while it is set, a prefill stops before its next
@@ -175,6 +178,11 @@ impl Engine {
     }
     pub fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
+    }
+    /// The state-compatibility identity: equal for this model and any model pruned from the
+    /// same source (or that source), whose hand-off states this model can continue.
+    pub fn state_identity(&self) -> &Fingerprint {
+        &self.state_identity
     }
     pub fn options(&self) -> &EngineOptions {
         &self.options

@@ -85,6 +85,11 @@ pub struct TextConfig {
     pub mla_use_output_gate: bool,
     pub linear_attn_config: LinearAttnConfig,
     pub num_experts: usize,
+    /// k3-offload's extension for checkpoints pruned with `k3-prefill prune --mode global`: the
+    /// routed experts of each decoder layer (0 for dense layers); `num_experts` is then their
+    /// maximum. Absent (the release, uniform pruning): every MoE layer has `num_experts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts_per_layer: Option<Vec<usize>>,
     pub num_experts_per_token: usize,
     pub num_shared_experts: usize,
     pub moe_intermediate_size: usize,
@@ -387,6 +392,26 @@ impl TextConfig {
                 self.num_experts_per_token, self.num_experts
             ));
         }
+        if let Some(per) = &self.num_experts_per_layer {
+            if per.len() != n {
+                problems.push(format!("num_experts_per_layer has {} entries for {n} layers", per.len()));
+            } else {
+                for (l, &e) in per.iter().enumerate() {
+                    let moe = l >= self.first_k_dense_replace;
+                    if moe && (e < self.num_experts_per_token || e > self.num_experts) {
+                        problems.push(format!(
+                            "num_experts_per_layer[{l}] = {e} must be in {}..={} (num_experts_per_token..=num_experts)",
+                            self.num_experts_per_token, self.num_experts
+                        ));
+                    } else if !moe && e != 0 {
+                        problems.push(format!("num_experts_per_layer[{l}] = {e}, but layer {l} is dense (must be 0)"));
+                    }
+                }
+                if per.iter().max().copied().unwrap_or(0) != self.num_experts && n > self.first_k_dense_replace {
+                    problems.push(format!("num_experts = {} must be the maximum of num_experts_per_layer", self.num_experts));
+                }
+            }
+        }
         if self.first_k_dense_replace > n {
             problems.push(format!("first_k_dense_replace = {} exceeds the layer count {n}", self.first_k_dense_replace));
         }
@@ -480,6 +505,12 @@ impl TextConfig {
             ));
         }
         p
+    }
+
+    /// Routed experts of MoE layer `l`: `num_experts_per_layer[l]` when the checkpoint was pruned
+    /// per layer (`--mode global`), else `num_experts`.
+    pub fn experts_in_layer(&self, l: usize) -> usize {
+        self.num_experts_per_layer.as_ref().and_then(|v| v.get(l).copied()).unwrap_or(self.num_experts)
     }
 
     /// The per-layer plan. The config's lists are 1-based: `is_kda(l) ⇔ (l+1) ∈ kda_layers`.

@@ -356,6 +356,7 @@ pub fn is_routed_expert_or_router(name: &str) -> bool {
 pub fn state_identity_of(config: &K3Config, tensors: &mut [IndexEntry], weights: &WeightDigest) -> Fingerprint {
     let mut cfg = config.clone();
     cfg.text_config.num_experts = 0;
+    cfg.text_config.num_experts_per_layer = None;
     let mut kept: Vec<IndexEntry> = tensors.iter().filter(|(n, _, _)| !is_routed_expert_or_router(n)).cloned().collect();
     let mut h = Sha256::new();
     h.update(b"k3-offload state identity v1 (config, index, weights; no routed experts or router)\n");

@@ -29,6 +29,7 @@ pub mod prune;
 pub mod synth;
 pub mod tensors;
 pub mod testdata;
+pub mod tokenizer;
 pub mod transport;
 pub mod wire;
 

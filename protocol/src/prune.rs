@@ -278,6 +278,26 @@ impl std::str::FromStr for Criterion {
     }
 }
 
+/// A layer's experts, best first by `criterion` (ties: the lower id; `seed` only for
+/// [`Criterion::Random`]), with the score each was ranked by (random: a uniform draw in [0, 1)).
+fn ranked(l: &LayerStats, n: usize, criterion: Criterion, seed: u64) -> Vec<(usize, f64)> {
+    let mut scored: Vec<(usize, f64)> = match criterion {
+        Criterion::Random => {
+            let mut rng = Rng::from_parts(seed, "prune", l.layer as u64);
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            // The permutation's rank as the score: comparable across layers.
+            order.iter().enumerate().map(|(r, &e)| (e, 1.0 - r as f64 / n as f64)).collect()
+        }
+        Criterion::Reap => (0..n).map(|e| (e, l.reap(e))).collect(),
+        Criterion::Frequency => (0..n).map(|e| (e, l.frequency(e))).collect(),
+    };
+    scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    scored
+}
+
 /// The experts to keep in each MoE layer: `(layer, ascending source ids)`, `keep` per layer, the
 /// `keep` best by `criterion` (ties: the lower id wins; `seed` only for [`Criterion::Random`]).
 pub fn select(stats: &ExpertStats, criterion: Criterion, keep: usize, seed: u64) -> Result<Vec<(usize, Vec<usize>)>, PruneError> {
@@ -286,23 +306,43 @@ pub fn select(stats: &ExpertStats, criterion: Criterion, keep: usize, seed: u64)
         .layers
         .iter()
         .map(|l| {
-            let n = stats.num_experts;
-            let mut order: Vec<usize> = (0..n).collect();
-            match criterion {
-                Criterion::Random => {
-                    let mut rng = Rng::from_parts(seed, "prune", l.layer as u64);
-                    for i in (1..n).rev() {
-                        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
-                    }
-                }
-                Criterion::Reap | Criterion::Frequency => {
-                    let score = |e: usize| if criterion == Criterion::Reap { l.reap(e) } else { l.frequency(e) };
-                    order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
-                }
-            }
-            let mut kept = order[..keep].to_vec();
+            let mut kept: Vec<usize> = ranked(l, stats.num_experts, criterion, seed)[..keep].iter().map(|(e, _)| *e).collect();
             kept.sort_unstable();
             (l.layer, kept)
+        })
+        .collect())
+}
+
+/// `--mode global`: `total` experts over all MoE layers, chosen by one ranking across layers —
+/// every layer first keeps its own top-k best (the floor: a layer needs at least top-k experts),
+/// the rest go to the best remaining experts of any layer by `criterion`'s score (ties: the lower
+/// layer, then the lower id). `total` must lie in `layers × top_k ..= layers × experts`.
+pub fn select_global(stats: &ExpertStats, criterion: Criterion, total: usize, seed: u64) -> Result<Vec<(usize, Vec<usize>)>, PruneError> {
+    let (n, k, layers) = (stats.num_experts, stats.experts_per_token, stats.layers.len());
+    if total > layers * n {
+        return Err(PruneError::Invalid(format!("{total} experts in all exceed the model's {layers} MoE layers × {n} experts")));
+    }
+    if total < layers * k {
+        return Err(PruneError::Invalid(format!(
+            "{total} experts in all are below the floor of top-k ({k}) in each of the {layers} MoE layers ({})",
+            layers * k
+        )));
+    }
+    let ranks: Vec<Vec<(usize, f64)>> = stats.layers.iter().map(|l| ranked(l, n, criterion, seed)).collect();
+    let mut kept: Vec<Vec<usize>> = ranks.iter().map(|r| r[..k].iter().map(|(e, _)| *e).collect()).collect();
+    // (score, layer position, expert) of everything above the floor, best first.
+    let mut rest: Vec<(f64, usize, usize)> = ranks.iter().enumerate().flat_map(|(i, r)| r[k..].iter().map(move |&(e, s)| (s, i, e))).collect();
+    rest.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    for &(_, i, e) in rest.iter().take(total - layers * k) {
+        kept[i].push(e);
+    }
+    Ok(stats
+        .layers
+        .iter()
+        .zip(kept)
+        .map(|(l, mut ids)| {
+            ids.sort_unstable();
+            (l.layer, ids)
         })
         .collect())
 }
@@ -355,6 +395,18 @@ impl PrunedSizes {
     pub fn max_keep(&self, budget: i128) -> Option<usize> {
         (self.experts_per_token..=self.num_experts).rev().find(|&k| self.bytes(k) as i128 <= budget)
     }
+
+    /// `--mode global`: the most experts over all `moe_layers` MoE layers (at least top-k in
+    /// each) whose checkpoint fits `budget` bytes (every expert of any layer costs the same).
+    pub fn max_total(&self, budget: i128, moe_layers: usize) -> Option<usize> {
+        let per = (self.bytes_per_expert_all_layers / moe_layers.max(1) as u64) as i128;
+        let floor = self.bytes(self.experts_per_token) as i128;
+        if floor > budget || moe_layers == 0 {
+            return None;
+        }
+        let extra = if per > 0 { ((budget - floor) / per) as usize } else { usize::MAX };
+        Some((moe_layers * self.experts_per_token).saturating_add(extra).min(moe_layers * self.num_experts))
+    }
 }
 
 /// Checkpoint bytes (all tensors) of this config pruned to `keep` experts per MoE layer.
@@ -362,17 +414,26 @@ pub fn pruned_bytes(cfg: &crate::K3Config, keep: usize) -> u64 {
     PrunedSizes::of(cfg).bytes(keep)
 }
 
+fn nothing_fits(s: &PrunedSizes, budget: u64) -> PruneError {
+    PruneError::Invalid(format!(
+        "no pruned model fits {:.3} GB: even the minimum of {} experts per layer (the top-k) needs {:.3} GB",
+        budget as f64 / 1e9,
+        s.experts_per_token,
+        s.bytes(s.experts_per_token) as f64 / 1e9
+    ))
+}
+
 /// The largest `keep` whose pruned checkpoint fits `budget` bytes.
 pub fn keep_for_budget(cfg: &crate::K3Config, budget: u64) -> Result<usize, PruneError> {
     let s = PrunedSizes::of(cfg);
-    s.max_keep(budget as i128).ok_or_else(|| {
-        PruneError::Invalid(format!(
-            "no pruned model fits {:.3} GB: even the minimum of {} experts per layer (the top-k) needs {:.3} GB",
-            budget as f64 / 1e9,
-            s.experts_per_token,
-            s.bytes(s.experts_per_token) as f64 / 1e9
-        ))
-    })
+    s.max_keep(budget as i128).ok_or_else(|| nothing_fits(&s, budget))
+}
+
+/// `--mode global`: the most experts over all MoE layers whose pruned checkpoint fits `budget`.
+pub fn total_for_budget(cfg: &crate::K3Config, budget: u64) -> Result<usize, PruneError> {
+    let s = PrunedSizes::of(cfg);
+    let moe = cfg.text_config.layer_plan().iter().filter(|l| l.ffn == FfnKind::LatentMoe).count();
+    s.max_total(budget as i128, moe).ok_or_else(|| nothing_fits(&s, budget))
 }
 
 // ---- the pruned checkpoint -------------------------------------------------------------------
@@ -467,16 +528,21 @@ pub fn prune_checkpoint(
     if kept_layers != moe {
         return Err(PruneError::Invalid(format!("kept experts given for layers {kept_layers:?}, the model's MoE layers are {moe:?}")));
     }
-    let keep = kept.first().map(|(_, k)| k.len()).unwrap_or(c.num_experts);
+    if c.num_experts_per_layer.is_some() {
+        return Err(PruneError::Invalid(format!(
+            "{} was itself pruned per layer (--mode global); prune its source model instead",
+            src.dir().display()
+        )));
+    }
     for (l, ids) in kept {
-        if ids.len() != keep {
-            return Err(PruneError::Invalid(format!("layer {l} keeps {} experts, layer {} keeps {keep}: counts must be uniform", ids.len(), moe[0])));
-        }
         if ids.windows(2).any(|w| w[0] >= w[1]) || ids.iter().any(|&e| e >= c.num_experts) {
             return Err(PruneError::Invalid(format!("layer {l}: kept ids must be ascending, distinct and below {}", c.num_experts)));
         }
+        check_keep(ids.len(), c.num_experts, c.num_experts_per_token).map_err(|e| PruneError::Invalid(format!("layer {l}: {e}")))?;
     }
-    check_keep(keep, c.num_experts, c.num_experts_per_token)?;
+    // The same count everywhere: the release layout. Otherwise per-layer counts in the config.
+    let keep = kept.iter().map(|(_, k)| k.len()).max().unwrap_or(c.num_experts);
+    let uniform = kept.iter().all(|(_, k)| k.len() == keep);
     if out.exists() {
         return Err(PruneError::Invalid(format!("output {} already exists; choose a new directory", out.display())));
     }
@@ -586,6 +652,10 @@ pub fn prune_checkpoint(
     let mut cfg: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| PruneError::Invalid(format!("{}: {e}", cfg_path.display())))?;
     cfg["text_config"]["num_experts"] = serde_json::json!(keep);
+    if !uniform {
+        let per: Vec<usize> = (0..c.num_hidden_layers).map(|l| kept_of.get(&l).map_or(0, |k| k.len())).collect();
+        cfg["text_config"]["num_experts_per_layer"] = serde_json::json!(per);
+    }
     let out_cfg = partial.join("config.json");
     std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).expect("JSON serialises")).map_err(io(&out_cfg))?;
     let index = serde_json::json!({ "metadata": { "total_size": written }, "weight_map": weight_map });

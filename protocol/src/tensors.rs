@@ -148,7 +148,7 @@ pub fn layer_tensors(c: &TextConfig, l: usize) -> Vec<TensorSpec> {
             v.push(t(lt("mlp.down_proj.weight"), &[h, i], BF16, Init::Linear));
         }
         FfnKind::LatentMoe => {
-            let ne = c.num_experts;
+            let ne = c.experts_in_layer(spec.index);
             let lat = c.routed_expert_hidden_size;
             let mi = c.moe_intermediate_size;
             let sw = c.shared_expert_width();
@@ -261,12 +261,14 @@ impl DerivedSizes {
                 _ => other += spec.numel() as u128,
             }
         }
+        let mut per_expert = 0u64;
         if let Some(l) = first_moe {
             expert_bytes = layer_tensors(c, l)
                 .iter()
                 .filter(|s| matches!(s.init, Init::Mxfp4Packed | Init::Mxfp4Scale))
                 .map(|s| s.nbytes() as u64)
                 .sum();
+            per_expert = expert_bytes / c.experts_in_layer(l).max(1) as u64;
         }
         let vision: u128 = vision_tensors(cfg).iter().map(|s| s.numel() as u128).sum();
         bytes += vision_tensors(cfg).iter().map(|s| s.nbytes() as u64).sum::<u64>();
@@ -282,7 +284,7 @@ impl DerivedSizes {
             vision_params: vision,
             total_params: routed + other + vision,
             active_params_per_token: active,
-            bytes_per_expert: if c.num_experts > 0 { expert_bytes / c.num_experts as u64 } else { 0 },
+            bytes_per_expert: per_expert,
             expert_bytes_per_moe_layer: expert_bytes,
             checkpoint_bytes: bytes,
             mla_state_bytes_per_token_bf16: n_mla * c.mla_latent_width() as u64 * 2,

@@ -35,6 +35,56 @@ async fn wrong_model_fingerprint_is_refused_with_both_fingerprints() {
     }
 }
 
+/// Issue 17: another fingerprint with the same state identity (a pruned decoder, a full-model
+/// node). The node serves it; the decoder refuses it, naming both fingerprints and the flag,
+/// unless `accept_compatible_states` is set. Another state identity stays a plain mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_compatible_model_is_used_only_when_accepted() {
+    init_tracing();
+    let identity = Fingerprint([0x5a; 32]);
+    let pruned = Fingerprint([0x22; 32]);
+    for accept in [false, true] {
+        let (scfg, ccfg) = paired();
+        let scfg = scfg.with_state_identity(identity);
+        let mut ccfg = ccfg.with_state_identity(identity);
+        ccfg.model_fingerprint = pruned;
+        ccfg.accept_compatible_states = accept;
+        let (addr, _server, srv) = spawn_server(scfg, Behaviour::Serve { seed: 9 }).await;
+        let r = PrefillClient::connect(addr, ccfg).await;
+        if accept {
+            let mut client = r.expect("a state-compatible node refused with accept_compatible_states");
+            assert_eq!(client.server().model_fingerprint, MODEL);
+            assert_eq!(client.server().state_identity, Some(identity));
+            let layout = small_layout(12);
+            let (st, _) = client.prefill(request(12, 1, 4096), &layout).await.unwrap().collect().await.unwrap();
+            assert_eq!(st, state_of(&layout, 9));
+            client.close().await;
+            assert!(srv.await.unwrap()[0].is_ok());
+        } else {
+            let err = r.err().expect("used a state-compatible node without accept_compatible_states");
+            match &err {
+                TransferError::CompatibleModelNotAccepted { ours, theirs, state_identity, .. } => {
+                    assert_eq!((*ours, *theirs, *state_identity), (pruned, MODEL, identity));
+                }
+                e => panic!("{e}"),
+            }
+            let msg = err.to_string();
+            assert!(msg.contains(&"22".repeat(32)) && msg.contains(&MODEL.hex()) && msg.contains("--accept-compatible-states"), "{msg}");
+            srv.abort();
+        }
+    }
+    // Other state identities, or none given: the ordinary mismatch, on both sides.
+    let (scfg, ccfg) = paired();
+    let scfg = scfg.with_state_identity(identity);
+    let mut ccfg = ccfg.with_state_identity(Fingerprint([0x5b; 32]));
+    ccfg.model_fingerprint = pruned;
+    ccfg.accept_compatible_states = true;
+    let server = PrefillServer::bind("127.0.0.1:0".parse().unwrap(), scfg).unwrap();
+    let err = PrefillClient::connect(server.local_addr(), ccfg).await.err().expect("connected despite another state identity");
+    assert!(matches!(err, TransferError::FingerprintMismatch { .. }), "{err}");
+    assert!(matches!(server.accept().await.unwrap(), Err(TransferError::FingerprintMismatch { .. })));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_server_certificate_is_refused_by_the_decoder() {
     init_tracing();

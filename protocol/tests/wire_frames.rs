@@ -10,10 +10,17 @@ use proptest::prelude::*;
 fn sample_messages() -> Vec<Message> {
     let caps = Capabilities { dtypes: vec![StateDtype::F32], max_frame_size: DEFAULT_MAX_FRAME, backend: "cuda".into(), max_streams: 8 };
     vec![
-        Message::Hello(Hello { protocol_version: PROTOCOL_VERSION, model_fingerprint: Fingerprint([7; 32]), capabilities: caps.clone(), node_name: "mac".into() }),
+        Message::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            model_fingerprint: Fingerprint([7; 32]),
+            state_identity: Some(Fingerprint([8; 32])),
+            capabilities: caps.clone(),
+            node_name: "mac".into(),
+        }),
         Message::HelloAck(HelloAck {
             protocol_version: PROTOCOL_VERSION,
             model_fingerprint: Fingerprint([7; 32]),
+            state_identity: Some(Fingerprint([8; 32])),
             capabilities: caps,
             node_name: "gpu".into(),
             max_frame_size: 4096,

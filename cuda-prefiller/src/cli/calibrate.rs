@@ -26,7 +26,8 @@ pub struct Args {
     /// Checkpoint directory (release layout).
     #[arg(long)]
     pub model: PathBuf,
-    /// Prompts, JSON lines: each a JSON array of token ids (blank lines are skipped).
+    /// Prompts, JSON lines: each a JSON array of token ids or `{"text": "..."}` (tokenized with
+    /// the checkpoint's tokenizer, as plain text); blank lines are skipped.
     #[arg(long)]
     pub prompts: PathBuf,
     /// Statistics file (JSON, docs/pruning.md). If it exists, calibration resumes from it.
@@ -66,34 +67,57 @@ impl Args {
     }
 }
 
-/// One prompt line: a JSON array of token ids. `{"text": ...}` lines are recognised and refused
-/// with the reason (the prefill node has no tokenizer).
-pub fn parse_prompt(line: &str, lineno: usize, path: &Path) -> anyhow::Result<Vec<u32>> {
+/// The checkpoint's tokenizer, loaded on the first `{"text": ...}` prompt.
+pub struct PromptTokenizer<'a> {
+    dir: &'a Path,
+    tok: Option<k3_protocol::tokenizer::Tokenizer>,
+}
+
+impl<'a> PromptTokenizer<'a> {
+    pub fn new(model_dir: &'a Path) -> Self {
+        PromptTokenizer { dir: model_dir, tok: None }
+    }
+
+    fn get(&mut self) -> anyhow::Result<&k3_protocol::tokenizer::Tokenizer> {
+        if self.tok.is_none() {
+            let t = k3_protocol::tokenizer::Tokenizer::from_dir(self.dir)
+                .with_context(|| format!("loading the tokenizer of {} for text prompts", self.dir.display()))?;
+            self.tok = Some(t);
+        }
+        Ok(self.tok.as_ref().expect("loaded above"))
+    }
+}
+
+/// One prompt line: a JSON array of token ids, or `{"text": "..."}`, encoded with the
+/// checkpoint's tokenizer as plain text (special-token names in it are not special).
+pub fn parse_prompt(line: &str, lineno: usize, path: &Path, tok: &mut PromptTokenizer) -> anyhow::Result<Vec<u32>> {
     let v: serde_json::Value =
         serde_json::from_str(line).with_context(|| format!("{} line {lineno}: not JSON", path.display()))?;
-    match v {
-        serde_json::Value::Array(a) => {
-            let ids = a
-                .iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    x.as_u64()
-                        .and_then(|x| u32::try_from(x).ok())
-                        .with_context(|| format!("{} line {lineno}: entry {i} ({x}) is not a token id", path.display()))
-                })
-                .collect::<anyhow::Result<Vec<u32>>>()?;
-            if ids.is_empty() {
-                bail!("{} line {lineno}: empty prompt", path.display());
-            }
-            Ok(ids)
+    let ids = match v {
+        serde_json::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                x.as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .with_context(|| format!("{} line {lineno}: entry {i} ({x}) is not a token id", path.display()))
+            })
+            .collect::<anyhow::Result<Vec<u32>>>()?,
+        serde_json::Value::Object(o) if o.contains_key("text") => {
+            let Some(text) = o.get("text").and_then(|t| t.as_str()) else {
+                bail!("{} line {lineno}: \"text\" must be a string", path.display());
+            };
+            tok.get()
+                .with_context(|| format!("{} line {lineno}", path.display()))?
+                .encode(text, false)
+                .with_context(|| format!("{} line {lineno}: tokenizing the text", path.display()))?
         }
-        serde_json::Value::Object(o) if o.contains_key("text") => bail!(
-            "{} line {lineno}: text prompts are not supported by the prefill node (it has no tokenizer); \
-             give token ids (e.g. from `k3-decode` or the tokenizer of the checkpoint)",
-            path.display()
-        ),
-        _ => bail!("{} line {lineno}: expected a JSON array of token ids", path.display()),
+        _ => bail!("{} line {lineno}: expected a JSON array of token ids or {{\"text\": \"...\"}}", path.display()),
+    };
+    if ids.is_empty() {
+        bail!("{} line {lineno}: empty prompt", path.display());
     }
+    Ok(ids)
 }
 
 /// The non-blank lines of the prompt file, trimmed, with their 1-based line numbers.
@@ -130,8 +154,9 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
     if lines.is_empty() {
         bail!("{}: no prompts", args.prompts.display());
     }
+    let mut tok = PromptTokenizer::new(&args.model);
     let prompts: Vec<Vec<u32>> =
-        lines.iter().map(|(n, l)| parse_prompt(l, *n, &args.prompts)).collect::<anyhow::Result<_>>()?;
+        lines.iter().map(|(n, l)| parse_prompt(l, *n, &args.prompts, &mut tok)).collect::<anyhow::Result<_>>()?;
     let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
     let fingerprint = ck.fingerprint();
     let model = Model::new(backend, ck, WeightPolicy::PerLayer)?;

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use k3_protocol::prune::{keep_for_budget, prune_checkpoint, select, Criterion, ExpertStats, PruneRecord, RECORD_FORMAT};
+use k3_protocol::config::FfnKind;
+use k3_protocol::prune::{
+    check_keep, keep_for_budget, prune_checkpoint, select, select_global, total_for_budget, Criterion, ExpertStats, PruneRecord, RECORD_FORMAT,
+};
 use k3_protocol::Checkpoint;
 use sha2::{Digest, Sha256};
 
@@ -14,8 +17,9 @@ use sha2::{Digest, Sha256};
 pub enum Mode {
     /// The same number of experts in every MoE layer.
     Uniform,
-    /// Per-layer counts from a global ranking (needs per-layer expert counts in the config,
-    /// which the release layout does not have: refused).
+    /// One ranking over the experts of all MoE layers: each layer keeps at least top-k, the rest
+    /// of the total (`--keep` × MoE layers, or what `--budget-gb` holds) goes to the best experts
+    /// of any layer. Per-layer counts then differ (`text_config.num_experts_per_layer`).
     Global,
 }
 
@@ -29,7 +33,8 @@ pub struct Args {
     /// Statistics from `k3-prefill calibrate` on this model.
     #[arg(long)]
     pub stats: PathBuf,
-    /// Routed experts to keep per MoE layer.
+    /// Routed experts to keep per MoE layer (`--mode global`: on average, i.e. `keep` × MoE
+    /// layers in all).
     #[arg(long)]
     pub keep: Option<usize>,
     /// Keep as many experts per layer as fit this checkpoint size, in GB (10^9 bytes).
@@ -65,12 +70,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// The command; returns what was written.
 pub fn run_args(args: &Args) -> anyhow::Result<k3_protocol::prune::PruneReport> {
-    if args.mode == Mode::Global {
-        bail!(
-            "--mode global needs a different expert count per layer, which the release config (one \
-             text_config.num_experts) and both loaders cannot express; use --mode uniform"
-        );
-    }
     let ck = Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
     let cfg = ck.config();
     let stats = ExpertStats::load(&args.stats)?;
@@ -78,19 +77,35 @@ pub fn run_args(args: &Args) -> anyhow::Result<k3_protocol::prune::PruneReport> 
     if stats.tokens == 0 && args.criterion != Criterion::Random {
         bail!("{}: no calibration tokens yet; run `k3-prefill calibrate` first", args.stats.display());
     }
-    let keep = match (args.keep, args.budget_gb) {
-        (Some(k), _) => k,
-        (None, Some(gb)) => {
-            if !(gb.is_finite() && gb > 0.0) {
-                bail!("--budget-gb {gb} must be a positive number");
-            }
-            let k = keep_for_budget(cfg, (gb * 1e9) as u64)?;
-            tracing::info!(budget_gb = gb, keep = k, "experts per layer that fit the budget");
-            k
-        }
-        (None, None) => bail!("give --keep or --budget-gb"),
+    let moe_layers = cfg.text_config.layer_plan().iter().filter(|s| s.ffn == FfnKind::LatentMoe).count();
+    let budget = match args.budget_gb {
+        Some(gb) if !(gb.is_finite() && gb > 0.0) => bail!("--budget-gb {gb} must be a positive number"),
+        Some(gb) => Some((gb * 1e9) as u64),
+        None => None,
     };
-    let kept = select(&stats, args.criterion, keep, args.seed)?;
+    let kept = match (args.mode, args.keep, budget) {
+        (Mode::Uniform, Some(k), _) => select(&stats, args.criterion, k, args.seed)?,
+        (Mode::Uniform, None, Some(b)) => {
+            let k = keep_for_budget(cfg, b)?;
+            tracing::info!(budget_gb = b as f64 / 1e9, keep = k, "experts per layer that fit the budget");
+            select(&stats, args.criterion, k, args.seed)?
+        }
+        (Mode::Global, Some(k), _) => {
+            check_keep(k, cfg.text_config.num_experts, cfg.text_config.num_experts_per_token)?;
+            select_global(&stats, args.criterion, k * moe_layers, args.seed)?
+        }
+        (Mode::Global, None, Some(b)) => {
+            let total = total_for_budget(cfg, b)?;
+            tracing::info!(budget_gb = b as f64 / 1e9, total, moe_layers, "experts over all MoE layers that fit the budget");
+            select_global(&stats, args.criterion, total, args.seed)?
+        }
+        (_, None, None) => bail!("give --keep or --budget-gb"),
+    };
+    let keep = kept.iter().map(|(_, k)| k.len()).max().unwrap_or(0);
+    if args.mode == Mode::Global {
+        let counts: Vec<usize> = kept.iter().map(|(_, k)| k.len()).collect();
+        tracing::info!(?counts, total = counts.iter().sum::<usize>(), "experts kept per MoE layer (global ranking)");
+    }
     let stats_bytes = std::fs::read(&args.stats).with_context(|| format!("reading {}", args.stats.display()))?;
     let record = PruneRecord {
         format: RECORD_FORMAT.into(),
@@ -99,7 +114,10 @@ pub fn run_args(args: &Args) -> anyhow::Result<k3_protocol::prune::PruneReport> 
         source_num_experts: cfg.text_config.num_experts,
         num_experts: keep,
         criterion: args.criterion,
-        mode: "uniform".into(),
+        mode: match args.mode {
+            Mode::Uniform => "uniform".into(),
+            Mode::Global => "global".into(),
+        },
         seed: args.seed,
         stats_sha256: hex::encode(Sha256::digest(&stats_bytes)),
         stats_prompts: stats.prompts_done,

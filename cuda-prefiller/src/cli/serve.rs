@@ -220,6 +220,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: &Args) -> anyhow::Result<()> {
     let (identity, peers) = peer_auth(args)?;
     let fingerprint = ck.fingerprint();
+    let state_identity = ck.state_identity();
     let total_bytes: u64 = ck.total_bytes();
     let cuda = backend.name() == "cuda";
     let stream = match args.weights {
@@ -256,13 +257,14 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     tracing::info!(
         model = %args.model.display(),
         fingerprint = %fingerprint.short(),
+        state_identity = %state_identity.short(),
         backend = %name,
         ?policy,
         streamed = stream,
         secs = format!("{:.2}", t0.elapsed().as_secs_f64()),
         "model loaded"
     );
-    let node_cfg = NodeConfig::new(identity, peers, fingerprint, &name);
+    let node_cfg = NodeConfig::new(identity, peers, fingerprint, &name).with_state_identity(state_identity);
     let node = PrefillNode::start(model, args.listen, node_cfg, opts)?;
     // `k3-prefill serve` scripts wait for this exact line on stderr.
     eprintln!("k3-prefill: serving on {} (backend {name}, model {})", node.local_addr(), fingerprint.short());

@@ -176,7 +176,7 @@ pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<DenseTensor> 
             d("mlp.down_proj.weight", h, i);
         }
         FfnKind::LatentMoe => {
-            let (lat, ne, sw) = (c.routed_expert_hidden_size, c.num_experts, c.shared_expert_width());
+            let (lat, ne, sw) = (c.routed_expert_hidden_size, c.experts_in_layer(spec.index), c.shared_expert_width());
             d("block_sparse_moe.gate.weight", ne, h);
             d("block_sparse_moe.gate.e_score_correction_bias", 1, ne);
             d("block_sparse_moe.routed_expert_down_proj.weight", lat, h);
@@ -196,7 +196,7 @@ pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<DenseTensor> 
 
 /// The routed experts of one MoE layer in the checkpoint, as [`Backend::load_experts`] takes them.
 pub fn layer_experts<'a>(ck: &'a Checkpoint, c: &TextConfig, l: usize) -> anyhow::Result<Vec<ExpertHostWeights<'a>>> {
-    (0..c.num_experts)
+    (0..c.experts_in_layer(l))
         .map(|e| Ok(ExpertHostWeights { w1: ck.expert(l, e, "w1")?, w3: ck.expert(l, e, "w3")?, w2: ck.expert(l, e, "w2")? }))
         .collect()
 }

@@ -30,6 +30,12 @@ pub struct PrefillNodeArgs {
     /// only; development).
     #[arg(long)]
     pub insecure_dev: bool,
+    /// Use hand-off states from a prefill node whose model differs from this decoder's but has
+    /// the same state identity (docs/pruning.md): typically the full model this pruned model
+    /// was made from. Without it such a node is refused (both fingerprints named) and turns
+    /// are prefilled locally.
+    #[arg(long)]
+    pub accept_compatible_states: bool,
 }
 
 #[cfg(feature = "mlx")]
@@ -37,13 +43,14 @@ impl PrefillNodeArgs {
     /// The client options, `None` without `--prefill-node` (the trust flags alone only warn).
     pub fn remote_options(&self) -> Option<crate::remote::RemoteOptions> {
         let Some(node) = &self.prefill_node else {
-            if self.insecure_dev || !self.prefill_fingerprint.is_empty() {
-                tracing::warn!("--insecure-dev / --prefill-fingerprint have no effect without --prefill-node");
+            if self.insecure_dev || !self.prefill_fingerprint.is_empty() || self.accept_compatible_states {
+                tracing::warn!("--insecure-dev / --prefill-fingerprint / --accept-compatible-states have no effect without --prefill-node");
             }
             return None;
         };
         let mut o = crate::remote::RemoteOptions::new(node.clone());
         o.insecure_dev = self.insecure_dev;
+        o.accept_compatible_states = self.accept_compatible_states;
         o.prefill_fingerprints = self.prefill_fingerprint.clone();
         o.config_dir = self.config_dir.clone();
         o.min_tokens = self.remote_min_tokens;

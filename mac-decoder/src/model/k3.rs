@@ -475,7 +475,7 @@ struct ExpertShard {
 
 impl LatentMoe {
     fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize, group: Option<&'static Group>) -> Result<Self> {
-        let (h, e, lat, inter) = (c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size);
+        let (h, e, lat, inter) = (c.hidden_size, c.experts_in_layer(l), c.routed_expert_hidden_size, c.moe_intermediate_size);
         let sw = c.shared_expert_width();
         let p = |s: &str| format!("block_sparse_moe.{s}");
         let shard = group.filter(|g| g.is_distributed()).map(|group| ExpertShard { group, experts: expert_range(e, group.rank(), group.size()) });
@@ -803,7 +803,9 @@ impl K3Text {
         for l in &self.layers {
             if let Ffn::Moe(m) = &l.ffn {
                 let all = m.w1.nbytes() + m.w2.nbytes() + m.w3.nbytes();
-                n = n - all + all * self.config.num_experts_per_token / self.config.num_experts.max(1);
+                // This layer's experts (the router's rows): pruned per layer, counts differ.
+                let e = m.router.shape().first().copied().unwrap_or(1).max(1) as usize;
+                n = n - all + all * self.config.num_experts_per_token / e;
             }
         }
         n

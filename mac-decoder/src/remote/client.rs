@@ -20,7 +20,7 @@ use crate::generate::{GenerateOutput, GenerateParams};
 use crate::remote::conversation::{Conversation, RemotePlan};
 use crate::remote::route::{Outcome, RoutePolicy, Router};
 use crate::remote::staged::StagedDelta;
-use crate::remote::timing::{Route, TurnTiming};
+use crate::remote::timing::{CompatibleSource, Route, TurnTiming};
 
 /// How the decoder reaches its prefill node, and when it uses it.
 #[derive(Debug, Clone)]
@@ -29,6 +29,9 @@ pub struct RemoteOptions {
     pub node: String,
     /// `--insecure-dev`: no certificate pinning (loopback only).
     pub insecure_dev: bool,
+    /// `--accept-compatible-states`: use states from a node whose model differs from ours but
+    /// has the same state identity (e.g. the full model this pruned one was made from).
+    pub accept_compatible_states: bool,
     /// Pin these prefill-node certificates (`sha256:...`), saved in the decoder's pinned peers.
     pub prefill_fingerprints: Vec<String>,
     /// The decoder's certificate and pinned peers (default `~/.config/k3-offload/decoder`).
@@ -54,6 +57,7 @@ impl RemoteOptions {
         RemoteOptions {
             node: node.into(),
             insecure_dev: false,
+            accept_compatible_states: false,
             prefill_fingerprints: Vec::new(),
             config_dir: None,
             min_tokens: None,
@@ -71,6 +75,8 @@ impl RemoteOptions {
 struct Down {
     since: Instant,
     reason: String,
+    /// The node was refused for running a state-compatible other model.
+    compatible_refused: bool,
 }
 
 /// The prefill client of one decoder. Holds a tokio runtime for the network; call it from a
@@ -92,6 +98,14 @@ pub struct RemotePrefiller {
 struct Failure {
     reason: String,
     base_not_held: bool,
+    /// The node runs a state-compatible other model, refused without `--accept-compatible-states`.
+    compatible_refused: bool,
+}
+
+impl Failure {
+    fn new(reason: impl Into<String>) -> Failure {
+        Failure { reason: reason.into(), base_not_held: false, compatible_refused: false }
+    }
 }
 
 /// Why [`RemotePrefiller::prefill`] gave up without a fallback: the request was abandoned.
@@ -104,13 +118,14 @@ const CANCELLED: &str = "the request was cancelled";
 impl From<TransferError> for Failure {
     fn from(e: TransferError) -> Failure {
         let base_not_held = matches!(&e, TransferError::Refused { code: ErrorCode::BaseNotHeld, .. });
-        Failure { reason: e.to_string(), base_not_held }
+        let compatible_refused = matches!(&e, TransferError::CompatibleModelNotAccepted { .. });
+        Failure { reason: e.to_string(), base_not_held, compatible_refused }
     }
 }
 
 impl From<anyhow::Error> for Failure {
     fn from(e: anyhow::Error) -> Failure {
-        Failure { reason: format!("{e:#}"), base_not_held: false }
+        Failure::new(format!("{e:#}"))
     }
 }
 
@@ -171,7 +186,7 @@ fn node_config(engine: &Engine, opts: &RemoteOptions) -> Result<NodeConfig> {
     let identity = NodeIdentity::load_or_create(&dir)?;
     let peers = peer_auth(opts, &dir).map_err(|e| anyhow!("{e:#}; this decoder's certificate is {}", identity.fingerprint()))?;
     tracing::info!(certificate = %identity.fingerprint(), "decoder identity (give it to the prefill node with --decoder-fingerprint)");
-    let mut cfg = NodeConfig::new(identity, peers, *engine.fingerprint(), "mlx");
+    let mut cfg = NodeConfig::new(identity, peers, *engine.fingerprint(), "mlx").with_state_identity(*engine.state_identity());
     cfg.tuning = opts.tuning.clone();
     Ok(cfg)
 }
@@ -192,7 +207,10 @@ impl RemotePrefiller {
         Self::build(engine, opts, Ok(cfg))
     }
 
-    fn build(engine: &Engine, opts: RemoteOptions, node_cfg: std::result::Result<NodeConfig, String>) -> Result<RemotePrefiller> {
+    fn build(engine: &Engine, opts: RemoteOptions, mut node_cfg: std::result::Result<NodeConfig, String>) -> Result<RemotePrefiller> {
+        if let Ok(cfg) = node_cfg.as_mut() {
+            cfg.accept_compatible_states = opts.accept_compatible_states;
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("prefill-client")
@@ -242,7 +260,7 @@ impl RemotePrefiller {
 
     /// The node's current cost, connecting first if needed (None: it cannot be reached).
     fn node_cost(&mut self) -> std::result::Result<k3_protocol::wire::NodeCost, Failure> {
-        let cfg = self.node_cfg.as_ref().map_err(|e| Failure { reason: e.clone(), base_not_held: false })?.clone();
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(e.clone()))?.clone();
         let opts = self.opts.clone();
         let slot = &mut self.client;
         let r = self.rt.block_on(async {
@@ -254,7 +272,7 @@ impl RemotePrefiller {
                 self.client = None;
             }
             if sev == Severity::Down {
-                self.down = Some(Down { since: Instant::now(), reason: f.reason.clone() });
+                self.down = Some(Down { since: Instant::now(), reason: f.reason.clone(), compatible_refused: f.compatible_refused });
             }
             f
         })
@@ -302,6 +320,7 @@ impl RemotePrefiller {
         } else if let Err(e) = &self.node_cfg {
             Some((Route::Fallback, e.clone()))
         } else if let Some(d) = self.down.as_ref().filter(|d| d.since.elapsed() < self.opts.retry_after) {
+            timing.compatible_source = d.compatible_refused.then_some(CompatibleSource::Refused);
             Some((
                 Route::Fallback,
                 format!(
@@ -337,6 +356,7 @@ impl RemotePrefiller {
             match self.node_cost() {
                 Ok(c) => Some(c),
                 Err(f) => {
+                    timing.compatible_source = f.compatible_refused.then_some(CompatibleSource::Refused);
                     let reason = format!("prefill node {} cannot be asked for its cost: {}", self.opts.node, f.reason);
                     tracing::warn!("prefilling locally: {reason}");
                     return self.local(engine, conv, tokens, image, timing, Route::Fallback, reason, t0);
@@ -391,7 +411,12 @@ impl RemotePrefiller {
             Err(f) => {
                 let reason = format!("remote prefill on {} failed: {}", self.opts.node, f.reason);
                 tracing::warn!("{reason}; prefilling locally instead");
-                timing = TurnTiming { prompt_tokens: tokens.len(), failed_attempt_s: Some(attempt.elapsed().as_secs_f64()), ..Default::default() };
+                timing = TurnTiming {
+                    prompt_tokens: tokens.len(),
+                    failed_attempt_s: Some(attempt.elapsed().as_secs_f64()),
+                    compatible_source: f.compatible_refused.then_some(CompatibleSource::Refused),
+                    ..Default::default()
+                };
                 self.local(engine, conv, tokens, image, timing, Route::Fallback, reason, t0)
             }
         }
@@ -434,15 +459,15 @@ impl RemotePrefiller {
         let addr: SocketAddr = opts
             .node
             .to_socket_addrs()
-            .map_err(|e| (Failure { reason: format!("cannot resolve {}: {e}", opts.node), base_not_held: false }, Severity::Down))?
+            .map_err(|e| (Failure::new(format!("cannot resolve {}: {e}", opts.node)), Severity::Down))?
             .next()
-            .ok_or_else(|| (Failure { reason: format!("{} resolves to no address", opts.node), base_not_held: false }, Severity::Down))?;
+            .ok_or_else(|| (Failure::new(format!("{} resolves to no address", opts.node)), Severity::Down))?;
         let c = match tokio::time::timeout(opts.connect_timeout, PrefillClient::connect(addr, cfg.clone())).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => return Err(classify(e)),
             Err(_) => {
                 let reason = format!("cannot reach {addr}: no answer within {:.1} s", opts.connect_timeout.as_secs_f64());
-                return Err((Failure { reason, base_not_held: false }, Severity::Down));
+                return Err((Failure::new(reason), Severity::Down));
             }
         };
         if let Some(cert) = c.server().certificate {
@@ -456,7 +481,7 @@ impl RemotePrefiller {
 
     /// One remote attempt; on success the conversation holds the new state.
     fn remote(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>, timing: &mut TurnTiming) -> std::result::Result<(), Failure> {
-        let cfg = self.node_cfg.as_ref().map_err(|e| Failure { reason: e.clone(), base_not_held: false })?.clone();
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(e.clone()))?.clone();
         let plan = conv.plan_remote(tokens, self.media_token)?;
         let image_embeddings = image_rows(engine, &plan, tokens, image)?;
         let c = &self.text_config;
@@ -484,7 +509,7 @@ impl RemotePrefiller {
             loop {
                 if is_cancelled() {
                     transfer.cancel(CANCELLED).await;
-                    return Err((Failure { reason: CANCELLED.into(), base_not_held: false }, Severity::Keep));
+                    return Err((Failure::new(CANCELLED), Severity::Keep));
                 }
                 match transfer.next().await.map_err(classify)? {
                     Some(TransferEvent::Layer { layer, state }) => {
@@ -500,7 +525,7 @@ impl RemotePrefiller {
                     Some(TransferEvent::Done(summary)) => {
                         return Ok(Received { summary, ingest, last_layer_done, rtt });
                     }
-                    None => return Err((Failure { reason: "the transfer ended without Done".into(), base_not_held: false }, Severity::Reconnect)),
+                    None => return Err((Failure::new("the transfer ended without Done"), Severity::Reconnect)),
                 }
             }
         });
@@ -511,14 +536,18 @@ impl RemotePrefiller {
                     self.client = None;
                 }
                 if sev == Severity::Down {
-                    self.down = Some(Down { since: Instant::now(), reason: f.reason.clone() });
+                    self.down = Some(Down { since: Instant::now(), reason: f.reason.clone(), compatible_refused: f.compatible_refused });
                 }
                 return Err(f);
             }
         };
         self.down = None;
+        // A node past the handshake with another fingerprint runs a state-compatible model that
+        // this decoder was told to accept (the transport refuses it otherwise).
+        let source = self.client.as_ref().map(|c| c.server().model_fingerprint).filter(|fp| *fp != cfg.model_fingerprint);
+        timing.compatible_source = source.map(|_| CompatibleSource::Accepted);
         let transfer_s = sent_at.elapsed().as_secs_f64();
-        let logits = got.summary.last_logits.clone().ok_or_else(|| Failure { reason: "the prefill node sent no last logits".into(), base_not_held: false })?;
+        let logits = got.summary.last_logits.clone().ok_or_else(|| Failure::new("the prefill node sent no last logits"))?;
         let t = Instant::now();
         conv.commit_remote(c, &plan, tokens, staged, logits)?;
         let usable = Instant::now();
@@ -537,6 +566,7 @@ impl RemotePrefiller {
             transfer_s = format!("{transfer_s:.3}"),
             tail_s = timing.exposed_tail_s.map(|v| format!("{v:.3}")).unwrap_or_default(),
             mb = format!("{:.2}", got.summary.state_bytes as f64 / 1e6),
+            source_model = source.map(|f| f.short()).unwrap_or_else(|| "this model".into()),
             "remote prefill ingested"
         );
         Ok(())
@@ -582,6 +612,7 @@ fn classify(e: TransferError) -> (Failure, Severity) {
         | T::ConnectionLost { .. }
         | T::Stalled { .. }
         | T::FingerprintMismatch { .. }
+        | T::CompatibleModelNotAccepted { .. }
         | T::VersionMismatch { .. }
         | T::PeerCertificateNotPinned { .. }
         | T::CertificateRefusedByPeer { .. }

@@ -36,4 +36,4 @@ pub mod timing;
 pub use client::{run_turn, Cancelled, RemoteOptions, RemotePrefiller};
 pub use conversation::Conversation;
 pub use route::{Decision, RoutePolicy, Router};
-pub use timing::{format_table, Route, TurnTiming};
+pub use timing::{format_table, CompatibleSource, Route, TurnTiming};

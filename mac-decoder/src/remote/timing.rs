@@ -26,6 +26,26 @@ impl Route {
     }
 }
 
+/// A prefill node whose model differs from the decoder's but has the same state identity
+/// (docs/pruning.md: e.g. the full model a pruned decoder was made from).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompatibleSource {
+    /// Its state was used (`--accept-compatible-states`).
+    Accepted,
+    /// It was refused (no `--accept-compatible-states`) and the turn prefilled locally.
+    Refused,
+}
+
+impl CompatibleSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CompatibleSource::Accepted => "accepted",
+            CompatibleSource::Refused => "refused",
+        }
+    }
+}
+
 /// The breakdown of one request (one chat turn). Seconds; `None` where a phase did not happen.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TurnTiming {
@@ -57,6 +77,8 @@ pub struct TurnTiming {
     pub predicted_remote_s: Option<f64>,
     /// State bytes received.
     pub state_bytes: u64,
+    /// Set when the prefill node runs a different, state-compatible model.
+    pub compatible_source: Option<CompatibleSource>,
     /// Prefill call start → usable logits.
     pub prefill_s: f64,
     /// Prefill call start → first token sampled.

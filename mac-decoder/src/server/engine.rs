@@ -26,6 +26,9 @@ pub struct PrefillReport {
     /// Images run through the vision tower for this prefill, and the seconds it took.
     pub images: usize,
     pub vision_seconds: f64,
+    /// The prefill node runs a different, state-compatible model: "accepted" or "refused"
+    /// (`remote::CompatibleSource`).
+    pub compatible_source: Option<&'static str>,
 }
 
 /// What the HTTP side needs to prepare images for an engine that takes them.

@@ -26,6 +26,9 @@ pub struct Metrics {
     pub handoff_bytes: Counter,
     pub handoff_exposed_tail_seconds: Counter<f64, AtomicU64>,
     pub prefill_fallbacks: Counter,
+    /// Turns whose prefill node runs a different, state-compatible model, by `outcome` =
+    /// accepted (`--accept-compatible-states`) | refused.
+    pub compatible_source_prefills: Family<Labels, Counter>,
     /// Images run through the vision tower, and the seconds it took.
     pub images: Counter,
     pub vision_seconds: Counter<f64, AtomicU64>,
@@ -63,6 +66,7 @@ impl Metrics {
             handoff_bytes: Counter::default(),
             handoff_exposed_tail_seconds: Counter::default(),
             prefill_fallbacks: Counter::default(),
+            compatible_source_prefills: Family::default(),
             images: Counter::default(),
             vision_seconds: Counter::default(),
             decode_seconds: Counter::default(),
@@ -91,6 +95,11 @@ impl Metrics {
                 m.handoff_exposed_tail_seconds.clone(),
             );
             r.register("prefill_fallbacks", "Remote prefills that fell back to local prefill", m.prefill_fallbacks.clone());
+            r.register(
+                "compatible_source_prefills",
+                "Turns whose prefill node runs another model with this model's state identity (e.g. the full model of a pruned decoder), by outcome (accepted with --accept-compatible-states, else refused)",
+                m.compatible_source_prefills.clone(),
+            );
             r.register("images", "Images encoded by the vision tower", m.images.clone());
             r.register("vision_seconds", "Seconds spent encoding images (vision tower and projector)", m.vision_seconds.clone());
             r.register("decode_seconds", "Seconds spent in decode steps", m.decode_seconds.clone());
@@ -108,6 +117,9 @@ impl Metrics {
             let _ = m.prefill_tokens.get_or_create(&label("where", w));
             let _ = m.prefill_seconds.get_or_create(&label("where", w));
         }
+        for o in ["accepted", "refused"] {
+            let _ = m.compatible_source_prefills.get_or_create(&label("outcome", o));
+        }
         m
     }
 
@@ -123,6 +135,12 @@ impl Metrics {
         let w = if remote { "remote" } else { "local" };
         self.prefill_tokens.get_or_create(&label("where", w)).inc_by(tokens as u64);
         self.prefill_seconds.get_or_create(&label("where", w)).inc_by(seconds);
+    }
+
+    /// A turn whose prefill node runs a different, state-compatible model.
+    /// `outcome`: "accepted" | "refused".
+    pub fn compatible_source(&self, outcome: &str) {
+        self.compatible_source_prefills.get_or_create(&label("outcome", outcome)).inc();
     }
 
     /// Tokens prefilled so far, by where.

@@ -128,6 +128,7 @@ impl MlxEngine {
             handoff_bytes: t.state_bytes,
             exposed_tail_seconds: t.exposed_tail_s.unwrap_or(0.0),
             fell_back: t.route == Route::Fallback,
+            compatible_source: t.compatible_source.map(|c| c.as_str()),
             reason: t.reason,
             ..Default::default()
         })

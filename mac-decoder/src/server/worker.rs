@@ -316,6 +316,9 @@ impl<S: 'static> Worker<S> {
             self.metrics.prefill_fallbacks.inc();
             tracing::info!(reason = %report.reason, "prefill fallback counted");
         }
+        if let Some(c) = report.compatible_source {
+            self.metrics.compatible_source(c);
+        }
         self.metrics.images.inc_by(report.images as u64);
         self.metrics.vision_seconds.inc_by(report.vision_seconds);
         tracing::debug!(

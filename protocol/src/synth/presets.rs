@@ -300,6 +300,7 @@ pub fn build_config(preset: Preset, o: &Overrides) -> Result<K3Config, String> {
         },
         num_experts: experts,
         // Fewer experts than the preset's top-k: top-k follows unless it is set explicitly.
+        num_experts_per_layer: None,
         num_experts_per_token: pick(o.experts_per_token, d.per_token.min(experts)),
         num_shared_experts: pick(o.shared_experts, d.shared),
         moe_intermediate_size: pick(o.moe_intermediate, d.moe_inter),

@@ -90,6 +90,7 @@ impl PrefillClient {
         let hello = Hello {
             protocol_version: PROTOCOL_VERSION,
             model_fingerprint: cfg.model_fingerprint,
+            state_identity: cfg.state_identity,
             capabilities: cfg.capabilities.clone(),
             node_name: cfg.node_name.clone(),
         };
@@ -108,8 +109,27 @@ impl PrefillClient {
             return Err(TransferError::VersionMismatch { peer: addr, ours: PROTOCOL_VERSION, theirs: ack.protocol_version });
         }
         if ack.model_fingerprint != cfg.model_fingerprint {
-            conn.close(quinn::VarInt::from_u32(2), b"model fingerprint mismatch");
-            return Err(TransferError::FingerprintMismatch { peer: addr, ours: cfg.model_fingerprint, theirs: ack.model_fingerprint });
+            let Some(state_identity) = cfg.state_identity.filter(|_| cfg.state_compatible(ack.state_identity)) else {
+                conn.close(quinn::VarInt::from_u32(2), b"model fingerprint mismatch");
+                return Err(TransferError::FingerprintMismatch { peer: addr, ours: cfg.model_fingerprint, theirs: ack.model_fingerprint });
+            };
+            if !cfg.accept_compatible_states {
+                conn.close(quinn::VarInt::from_u32(2), b"state-compatible model not accepted");
+                return Err(TransferError::CompatibleModelNotAccepted {
+                    peer: addr,
+                    ours: cfg.model_fingerprint,
+                    theirs: ack.model_fingerprint,
+                    state_identity,
+                });
+            }
+            tracing::warn!(
+                peer = %addr,
+                ours = %cfg.model_fingerprint,
+                theirs = %ack.model_fingerprint,
+                state_identity = %state_identity.short(),
+                "the prefill node runs another model whose states are state-compatible with this one (same state identity); \
+                 accepting its states (--accept-compatible-states): they are the states ITS model computes"
+            );
         }
         // After its HelloAck the server refuses (e.g. capabilities) or advertises its cost.
         let cost = match tokio::time::timeout(t, fr.next_message()).await {
@@ -127,6 +147,7 @@ impl PrefillClient {
             node_name: ack.node_name,
             capabilities: ack.capabilities,
             model_fingerprint: ack.model_fingerprint,
+            state_identity: ack.state_identity,
         };
         tracing::info!(peer = %addr, name = %server.node_name, backend = %server.capabilities.backend, "connected to prefill node");
         Ok(PrefillClient { endpoint, conn, cfg: Arc::new(cfg), server, max_frame: ack.max_frame_size, cost })

@@ -124,6 +124,14 @@ pub struct NodeConfig {
     pub peers: PeerAuth,
     /// Fingerprint of the loaded model (`Checkpoint::fingerprint()`).
     pub model_fingerprint: Fingerprint,
+    /// Its state-compatibility identity (`Checkpoint::state_identity()`), set with
+    /// [`NodeConfig::with_state_identity`]; `None` (the default): compatible with no other model.
+    pub state_identity: Option<Fingerprint>,
+    /// Decoder: accept a prefill node whose model has another fingerprint but this state
+    /// identity (e.g. the full model this pruned one was made from). Without it such a node is
+    /// refused with [`crate::transport::TransferError::CompatibleModelNotAccepted`]. A prefill
+    /// node always serves such decoders (the decoder decides).
+    pub accept_compatible_states: bool,
     pub capabilities: Capabilities,
     pub node_name: String,
     pub tuning: Tuning,
@@ -142,6 +150,8 @@ impl NodeConfig {
             identity,
             peers,
             model_fingerprint,
+            state_identity: None,
+            accept_compatible_states: false,
             capabilities: Capabilities {
                 dtypes: vec![StateDtype::F32],
                 max_frame_size: DEFAULT_MAX_FRAME,
@@ -153,6 +163,20 @@ impl NodeConfig {
             cost: CostBoard::default(),
             hooks: Arc::new(FaultHooks::default()),
         }
+    }
+}
+
+impl NodeConfig {
+    /// Whether a peer announcing `theirs` runs a model whose states this node's model can use:
+    /// both identities given and equal.
+    pub fn state_compatible(&self, theirs: Option<Fingerprint>) -> bool {
+        self.state_identity.is_some() && self.state_identity == theirs
+    }
+
+    /// The same config announcing `state_identity` (`Checkpoint::state_identity()`).
+    pub fn with_state_identity(mut self, state_identity: Fingerprint) -> NodeConfig {
+        self.state_identity = Some(state_identity);
+        self
     }
 }
 

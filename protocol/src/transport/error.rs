@@ -17,6 +17,12 @@ pub enum TransferError {
     CertificateRefusedByPeer { peer: SocketAddr, ours: CertFingerprint },
     #[error("model fingerprint mismatch with {peer}: this node has {ours}, the peer has {theirs}")]
     FingerprintMismatch { peer: SocketAddr, ours: Fingerprint, theirs: Fingerprint },
+    #[error(
+        "{peer} runs another model ({theirs}) than this node ({ours}); its states are compatible with this model \
+         (same state identity {state_identity}, e.g. the full model this one was pruned from), but using them is not \
+         enabled: pass --accept-compatible-states to accept them"
+    )]
+    CompatibleModelNotAccepted { peer: SocketAddr, ours: Fingerprint, theirs: Fingerprint, state_identity: Fingerprint },
     #[error("protocol version mismatch with {peer}: this node speaks {ours}, the peer {theirs}")]
     VersionMismatch { peer: SocketAddr, ours: u32, theirs: u32 },
     #[error("{peer} refused: {code:?}: {message}")]
@@ -45,7 +51,7 @@ impl TransferError {
     /// The code to send to the peer when this error ends a transfer.
     pub fn code(&self) -> ErrorCode {
         match self {
-            TransferError::FingerprintMismatch { .. } => ErrorCode::FingerprintMismatch,
+            TransferError::FingerprintMismatch { .. } | TransferError::CompatibleModelNotAccepted { .. } => ErrorCode::FingerprintMismatch,
             TransferError::VersionMismatch { .. } => ErrorCode::VersionMismatch,
             TransferError::Corrupt { .. } | TransferError::Protocol { .. } => ErrorCode::Malformed,
             TransferError::Stalled { .. } => ErrorCode::Timeout,

@@ -45,6 +45,8 @@ pub struct PeerInfo {
     pub node_name: String,
     pub capabilities: Capabilities,
     pub model_fingerprint: Fingerprint,
+    /// The peer's state-compatibility identity, if it gave one.
+    pub state_identity: Option<Fingerprint>,
 }
 
 pub(crate) fn peer_certificate(conn: &quinn::Connection) -> Option<CertFingerprint> {

@@ -293,7 +293,8 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
         }
         Ok(Ok(None)) => return Err(TransferError::Protocol { peer, reason: "handshake stream ended before Hello".into() }),
         Ok(Err(e)) => {
-            let msg = e.to_string();
+            // A Hello of another protocol version has other fields and does not decode: say so.
+            let msg = format!("{e} (expected a Hello of protocol version {PROTOCOL_VERSION}; a peer of another version must be upgraded)");
             let _ = refuse_handshake(&conn, &mut send, peer, ErrorCode::Malformed, msg).await;
             return Err(e);
         }
@@ -304,6 +305,7 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
     let ack = HelloAck {
         protocol_version: PROTOCOL_VERSION,
         model_fingerprint: cfg.model_fingerprint,
+        state_identity: cfg.state_identity,
         capabilities: caps.clone(),
         node_name: cfg.node_name.clone(),
         max_frame_size: caps.max_frame_size.min(hello.capabilities.max_frame_size),
@@ -311,7 +313,7 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
     write_message(&mut send, peer, &Message::HelloAck(ack.clone())).await?;
     let err = if hello.protocol_version != PROTOCOL_VERSION {
         Some(TransferError::VersionMismatch { peer, ours: PROTOCOL_VERSION, theirs: hello.protocol_version })
-    } else if hello.model_fingerprint != cfg.model_fingerprint {
+    } else if hello.model_fingerprint != cfg.model_fingerprint && !cfg.state_compatible(hello.state_identity) {
         Some(TransferError::FingerprintMismatch { peer, ours: cfg.model_fingerprint, theirs: hello.model_fingerprint })
     } else if !hello.capabilities.dtypes.contains(&StateDtype::F32) {
         Some(TransferError::Refused { peer, code: ErrorCode::CapabilityMismatch, message: "the peer cannot take fp32 state".into() })
@@ -333,7 +335,19 @@ async fn handshake(incoming: quinn::Incoming, cfg: Arc<NodeConfig>, refused: Ref
         node_name: hello.node_name,
         capabilities: hello.capabilities,
         model_fingerprint: hello.model_fingerprint,
+        state_identity: hello.state_identity,
     };
+    if info.model_fingerprint != cfg.model_fingerprint {
+        // Its model differs but its states are interchangeable with ours: the decoder decides
+        // (`--accept-compatible-states`); serving it is safe for this node.
+        tracing::info!(
+            %peer,
+            ours = %cfg.model_fingerprint.short(),
+            theirs = %info.model_fingerprint.short(),
+            state_identity = %cfg.state_identity.map(|f| f.short()).unwrap_or_default(),
+            "decoder runs another model with this model's state identity (e.g. pruned from it)"
+        );
+    }
     tracing::info!(%peer, name = %info.node_name, certificate = ?info.certificate, "decoder connected");
     Ok(PrefillConnection { conn, cfg, peer: info, max_frame: ack.max_frame_size, next_id: 1, slot: None })
 }

@@ -10,8 +10,9 @@ use crate::wire::layout::StateLayout;
 
 /// Bumped on any incompatible change of frames or messages. 2: the node's cost
 /// (`Message::Cost` after `HelloAck`, `Message::CostQuery` on a request stream); a version-1
-/// peer is refused in the handshake with `VersionMismatch` naming both versions.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// peer is refused in the handshake with `VersionMismatch` naming both versions. 3: `Hello` and
+/// `HelloAck` carry the model's state identity (docs/pruning.md) beside its fingerprint.
+pub const PROTOCOL_VERSION: u32 = 3;
 /// TLS ALPN id of this protocol.
 pub const ALPN: &[u8] = b"k3-handoff/1";
 
@@ -38,6 +39,10 @@ pub struct Capabilities {
 pub struct Hello {
     pub protocol_version: u32,
     pub model_fingerprint: Fingerprint,
+    /// The model's state-compatibility identity (`Checkpoint::state_identity`): equal for a
+    /// model and the models pruned from it, whose hand-off states are interchangeable. `None`:
+    /// not given (compatible with its own fingerprint only).
+    pub state_identity: Option<Fingerprint>,
     pub capabilities: Capabilities,
     /// Free-form node name for logs.
     pub node_name: String,
@@ -48,6 +53,7 @@ pub struct Hello {
 pub struct HelloAck {
     pub protocol_version: u32,
     pub model_fingerprint: Fingerprint,
+    pub state_identity: Option<Fingerprint>,
     pub capabilities: Capabilities,
     pub node_name: String,
     /// Negotiated: min of both sides' `max_frame_size`.
