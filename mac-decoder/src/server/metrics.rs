@@ -164,3 +164,21 @@ impl Default for Metrics {
         Self::new()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compatible_source_turns_are_counted_by_outcome() {
+        let m = Metrics::new();
+        let text = m.render();
+        assert!(text.contains("k3_compatible_source_prefills_total{outcome=\"accepted\"} 0"), "{text}");
+        m.compatible_source("accepted");
+        m.compatible_source("accepted");
+        m.compatible_source("refused");
+        let text = m.render();
+        assert!(text.contains("k3_compatible_source_prefills_total{outcome=\"accepted\"} 2"), "{text}");
+        assert!(text.contains("k3_compatible_source_prefills_total{outcome=\"refused\"} 1"), "{text}");
+    }
+}
