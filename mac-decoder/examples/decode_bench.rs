@@ -1,6 +1,10 @@
 //! Decode speed and memory of the MLX decoder on this machine, with the memory-bandwidth bound.
 //!
-//! `cargo run -p mac-decoder --example decode_bench -- --model DIR [--prompt 128] [--tokens 64] [--bf16]`
+//! `cargo run -p mac-decoder --example decode_bench -- --model DIR [--prompt 128] [--tokens 64] [--bf16] [--fork]`
+//!
+//! `--fork` also times a session checkpoint at the prompt's length: the server's fork
+//! (`Engine::fork_session`, shared arrays) against a copy through the hand-off layout (export to
+//! host f32 and ingest back, what a fork did before), and the first decode step of each copy.
 //!
 //! Bytes per token = weights a decode step reads (all non-expert weights in f32 or BF16, `top_k` routed
 //! experts per MoE layer in MXFP4, one embedding row) + the sequence state (KDA state read and
@@ -18,10 +22,11 @@ struct Args {
     prompt: usize,
     tokens: usize,
     bf16: bool,
+    fork: bool,
 }
 
 fn parse() -> Result<Args> {
-    let mut a = Args { model: PathBuf::new(), prompt: 128, tokens: 64, bf16: false };
+    let mut a = Args { model: PathBuf::new(), prompt: 128, tokens: 64, bf16: false, fork: false };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
@@ -30,7 +35,8 @@ fn parse() -> Result<Args> {
             "--prompt" => a.prompt = v()?.parse()?,
             "--tokens" => a.tokens = v()?.parse()?,
             "--bf16" => a.bf16 = true,
-            _ => bail!("unknown argument {k} (--model DIR --prompt N --tokens N [--bf16])"),
+            "--fork" => a.fork = true,
+            _ => bail!("unknown argument {k} (--model DIR --prompt N --tokens N [--bf16] [--fork])"),
         }
     }
     if a.model.as_os_str().is_empty() {
@@ -86,6 +92,9 @@ fn main() -> Result<()> {
     let t1 = Instant::now();
     engine.prefill_local(&mut s, &ids, None)?;
     let prefill_s = t1.elapsed().as_secs_f64();
+    if a.fork {
+        fork_costs(&engine, &mut s)?;
+    }
     // one warm-up step, then the timed decode
     engine.generate(&mut s, &GenerateParams::greedy(1), |_| true)?;
     let out = engine.generate(&mut s, &GenerateParams::greedy(a.tokens), |_| true)?;
@@ -121,5 +130,36 @@ fn main() -> Result<()> {
     if let Some(rss) = rss {
         println!("process peak RSS      {:.1} MB", rss as f64 / 1e6);
     }
+    Ok(())
+}
+
+/// Times a checkpoint of `s` both ways, and the first decode step of each copy.
+fn fork_costs(engine: &Engine, s: &mut mac_decoder::decode::Session) -> Result<()> {
+    let next = 7u32;
+    let bytes = s.state_bytes();
+    // through the hand-off layout: every row to host f32 and back
+    let t = Instant::now();
+    let state = engine.export_state(s)?;
+    let mut copy = engine.new_session()?;
+    engine.ingest(&mut copy, 0, &state, s.last_logits().map(<[f32]>::to_vec))?;
+    let copy_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    engine.step(&mut copy, next)?;
+    let copy_step = t.elapsed().as_secs_f64();
+    drop((state, copy));
+    // the fork: shared arrays
+    let t = Instant::now();
+    let mut forked = engine.fork_session(s)?;
+    let fork_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let a = engine.step(&mut forked, next)?;
+    let fork_step = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let b = engine.step(s, next)?;
+    let orig_step = t.elapsed().as_secs_f64();
+    anyhow::ensure!(a == b, "the fork and the original disagree on the same step");
+    println!("checkpoint at {} tokens, state {:.1} MB:", s.tokens() - 1, bytes as f64 / 1e6);
+    println!("  export + ingest     {:.2} ms, {:.1} MB copied (to host and back), first step {:.2} ms", copy_s * 1e3, 2.0 * bytes as f64 / 1e6, copy_step * 1e3);
+    println!("  fork (shared)       {:.3} ms, 0 MB copied, first step {:.2} ms (the original's next step {:.2} ms)", fork_s * 1e3, fork_step * 1e3, orig_step * 1e3);
     Ok(())
 }

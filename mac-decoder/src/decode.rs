@@ -332,6 +332,12 @@ impl Engine {
     }
 
     /// The session's state in the canonical hand-off layout.
+    /// A copy of `s` (a checkpoint) that shares its arrays: no state is copied, whatever the
+    /// context length (MLA rows become segments shared by both; see `model::cache`).
+    pub fn fork_session(&self, s: &mut Session) -> Result<Session> {
+        Ok(Session { cache: s.cache.fork()?, last_logits: s.last_logits.clone() })
+    }
+
     pub fn export_state(&self, s: &Session) -> Result<HandoffState> {
         ingest::export_state(self.text_config(), &s.cache)
     }

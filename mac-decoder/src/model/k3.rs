@@ -404,12 +404,20 @@ impl Mla {
             let (r0, r1) = (i as i32 * t, (i as i32 + 1) * t);
             let own = |a: &Array| -> Result<Array> { if b == 1 { Ok(a.clone()) } else { Ok(a.try_index((.., r0..r1))?) } };
             let past = cache.rows() as i32;
-            // the latent cache, with this call's rows appended
-            let all = cache.append(&if b == 1 { latent.clone() } else { latent.try_index(r0..r1)? })?; // [n, rank + rope]
-            let c_kv = cols(&all, 0, self.rank)?;
-            let k_pe = cols(&all, self.rank, self.rank + dr)?;
+            // the latent cache, with this call's rows appended: segments [n_i, rank + rope]
+            let segs = cache.append(&if b == 1 { latent.clone() } else { latent.try_index(r0..r1)? })?;
+            let (q_abs_i, q_pe_i) = (own(&q_abs)?, own(&q_pe)?);
+            let mut c_kvs = Vec::with_capacity(segs.len());
+            let mut parts = Vec::with_capacity(segs.len());
+            for seg in &segs {
+                let c_kv = cols(seg, 0, self.rank)?;
+                let k_pe = cols(seg, self.rank, self.rank + dr)?;
+                // q̃·c_kv + q_pe·k_pe, per segment of keys
+                parts.push(q_abs_i.matmul(c_kv.t())? + q_pe_i.matmul(k_pe.t())?);
+                c_kvs.push(c_kv);
+            }
             // (q̃·c_kv + q_pe·k_pe)/√(nope+rope)
-            let scores = (own(&q_abs)?.matmul(c_kv.t())? + own(&q_pe)?.matmul(k_pe.t())?) * scale;
+            let scores = if parts.len() == 1 { parts.pop().expect("one") } else { ops::concatenate(&parts, -1)? } * scale;
             let n = past + t;
             let scores = if t > 1 {
                 // causal: query t (absolute past + t) sees keys s ≤ past + t
@@ -421,7 +429,20 @@ impl Mla {
                 scores
             };
             let p = ops::softmax_axis(&scores, -1, true)?;
-            ctx.push(p.matmul(&c_kv)?); // Σ_s p_s c_kv,s, [H, T, rank]
+            // Σ_s p_s c_kv,s, [H, T, rank], segment by segment
+            let mut acc: Option<Array> = None;
+            let mut k0 = 0;
+            for c_kv in &c_kvs {
+                let k1 = k0 + c_kv.shape()[0];
+                let p_i = if c_kvs.len() == 1 { p.clone() } else { p.try_index((.., .., k0..k1))? };
+                let part = p_i.matmul(c_kv)?;
+                acc = Some(match acc {
+                    None => part,
+                    Some(a) => a + part,
+                });
+                k0 = k1;
+            }
+            ctx.push(acc.expect("at least the rows of this call"));
         }
         let ctx = if ctx.len() == 1 { ctx.pop().expect("one") } else { ops::concatenate(&ctx, 1)? };
         // ō_h = W_UV^h (Σ_s p_s c_kv,s)

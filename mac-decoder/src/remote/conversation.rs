@@ -236,15 +236,13 @@ impl Conversation {
         r
     }
 
-    /// An independent copy (a checkpoint): the state through the hand-off layout, the same
-    /// history, and the same id and node prefix. Whichever copy continues first extends the
-    /// node's prefix; the node checks a base's length and hash, so the other copy's next remote
-    /// turn is refused as `BaseNotHeld` and resent whole.
-    pub fn fork(&self, engine: &Engine) -> Result<Conversation> {
+    /// An independent copy (a checkpoint): the same state (sharing its arrays, nothing is
+    /// copied), the same history, and the same id and node prefix. Whichever copy continues first
+    /// extends the node's prefix; the node checks a base's length and hash, so the other copy's
+    /// next remote turn is refused as `BaseNotHeld` and resent whole.
+    pub fn fork(&mut self, engine: &Engine) -> Result<Conversation> {
         self.check()?;
-        let state = engine.export_state(&self.session)?;
-        let mut session = engine.new_session()?;
-        engine.ingest(&mut session, 0, &state, self.session.last_logits().map(<[f32]>::to_vec))?;
+        let session = engine.fork_session(&mut self.session)?;
         Ok(Conversation {
             session,
             history: self.history.clone(),

@@ -77,8 +77,9 @@ pub trait GenerationEngine: 'static {
     /// Bytes of state the session holds (for the store's budget).
     fn session_bytes(&self, s: &Self::Session) -> usize;
     /// An independent copy of a session (a checkpoint: KDA states cannot be rolled back, so
-    /// reuse after a divergence needs a copy taken before it).
-    fn fork(&mut self, s: &Self::Session) -> anyhow::Result<Self::Session>;
+    /// reuse after a divergence needs a copy taken before it). `s` is mutable because the copy
+    /// may share state with it (the MLX engine freezes its rows into shared segments).
+    fn fork(&mut self, s: &mut Self::Session) -> anyhow::Result<Self::Session>;
 
     /// Image support: `None` (the default) when the model has no vision tower.
     fn media(&self) -> Option<MediaSupport> {
@@ -231,7 +232,7 @@ impl GenerationEngine for FakeEngine {
     fn session_bytes(&self, s: &FakeSession) -> usize {
         s.tokens.len() * 4 + 64
     }
-    fn fork(&mut self, s: &FakeSession) -> anyhow::Result<FakeSession> {
+    fn fork(&mut self, s: &mut FakeSession) -> anyhow::Result<FakeSession> {
         Ok(FakeSession { tokens: s.tokens.clone(), logits: s.logits.clone() })
     }
 }

@@ -174,7 +174,7 @@ impl GenerationEngine for MlxEngine {
     fn session_bytes(&self, s: &Conversation) -> usize {
         s.session().state_bytes() + 4 * s.tokens().len()
     }
-    fn fork(&mut self, s: &Conversation) -> anyhow::Result<Conversation> {
+    fn fork(&mut self, s: &mut Conversation) -> anyhow::Result<Conversation> {
         s.fork(&self.engine)
     }
     fn media(&self) -> Option<MediaSupport> {

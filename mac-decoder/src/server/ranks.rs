@@ -165,10 +165,10 @@ impl<E: GenerationEngine> GenerationEngine for RankedEngine<E> {
     fn session_bytes(&self, s: &Self::Session) -> usize {
         self.inner.session_bytes(&s.inner)
     }
-    fn fork(&mut self, s: &Self::Session) -> Result<Self::Session> {
+    fn fork(&mut self, s: &mut Self::Session) -> Result<Self::Session> {
         let id = self.new_id();
         self.send(Op::Fork, id, s.id as i32, &[])?;
-        let c = self.inner.fork(&s.inner)?;
+        let c = self.inner.fork(&mut s.inner)?;
         Ok(self.wrap(id, c))
     }
     fn media(&self) -> Option<MediaSupport> {
@@ -209,7 +209,7 @@ pub fn follow<E: GenerationEngine>(mut engine: E, world: &'static Group) -> Resu
                 engine.step(s, m.arg as u32).with_context(|| format!("rank {me}: step of session {}", m.session))?;
             }
             Op::Fork => {
-                let src = sessions.get(&(m.arg as u32)).ok_or_else(|| missing(m.arg as u32))?;
+                let src = sessions.get_mut(&(m.arg as u32)).ok_or_else(|| missing(m.arg as u32))?;
                 let c = engine.fork(src)?;
                 sessions.insert(m.session, c);
             }

@@ -85,6 +85,11 @@ impl<S> SessionStore<S> {
         &self.entries[i]
     }
 
+    /// The entry, to fork its session (a fork may share state with the original).
+    pub fn get_mut(&mut self, i: usize) -> &mut Entry<S> {
+        &mut self.entries[i]
+    }
+
     /// Marks an entry as just used.
     pub fn touch(&mut self, i: usize) {
         self.clock += 1;

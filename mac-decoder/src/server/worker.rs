@@ -280,7 +280,7 @@ impl<S: 'static> Worker<S> {
             let held = self.store.get(i).tokens.len();
             let mut session = if self.store.get(i).checkpoint {
                 self.store.touch(i);
-                engine.fork(&self.store.get(i).session)?
+                engine.fork(&mut self.store.get_mut(i).session)?
             } else {
                 self.store.take(i).session
             };
@@ -304,7 +304,7 @@ impl<S: 'static> Worker<S> {
         anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
         job.sampling.validate().map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
         let media: Vec<MediaKey> = job.images.iter().map(|i| i.key.clone()).collect();
-        let (session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
+        let (mut session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
         drop(job.images);
         self.metrics.reused_tokens.inc_by(reused as u64);
         if report.tokens > 0 {
@@ -332,7 +332,7 @@ impl<S: 'static> Worker<S> {
         );
         let _ = events.send(GenEvent::Prefilled { reused_tokens: reused, report });
         if self.checkpoints {
-            match engine.fork(&session) {
+            match engine.fork(&mut session) {
                 Ok(copy) => {
                     let bytes = engine.session_bytes(&copy);
                     let ev = self.store.insert(job.prompt.clone(), media.clone(), copy, bytes, true);
