@@ -78,8 +78,9 @@ fn tiny_a_on_two_and_four_ranks_gives_the_golden_tokens() {
     }
 }
 
-/// A synthetic model whose expert count divides by neither 2 nor 4, its prompt, and the
-/// reference prefiller's hand-off state (the prefill node's result) as a session file.
+/// A synthetic model whose expert count (7) and head counts (3 KDA, 3 MLA heads) divide by
+/// neither 2 nor 4, its prompt, and the reference prefiller's hand-off state (the prefill
+/// node's result) as a session file.
 fn synth_case(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let mut opts = SynthOptions::new(Preset::Tiny);
     opts.seed = 19;
@@ -90,6 +91,7 @@ fn synth_case(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
         first_k_dense: Some(1),
         experts: Some(7),
         experts_per_token: Some(3),
+        heads: Some(3),
         block_size: Some(2),
         vocab: Some(512),
         ..Default::default()
@@ -409,4 +411,156 @@ async fn serve_over_two_ranks_answers_like_generate_and_reports_a_lost_rank() {
         text.contains("rank 0 of 2") || log.contains("a peer rank is gone or stalled"),
         "the server does not report the lost rank: {text}\n{log}"
     );
+}
+
+/// CPU seconds (user + system) a process has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_else(|e| panic!("/proc/{pid}/stat: {e}"));
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// The processes whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        let Some(close) = stat.rfind(')') else { continue };
+        let ppid: Option<u32> = stat[close + 2..].split_whitespace().nth(1).and_then(|x| x.parse().ok());
+        if ppid == Some(pid) {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}
+
+fn alive(pid: u32) -> bool {
+    // a zombie still has /proc/PID; its state is Z
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rfind(')').is_some_and(|c| !s[c + 2..].starts_with('Z')))
+}
+
+/// A synthetic model with a tokenizer for `serve` (7 experts: uneven over 2 ranks).
+fn serve_model(dir: &Path) -> PathBuf {
+    let mut opts = SynthOptions::new(Preset::Tiny);
+    opts.progress = false;
+    opts.overrides = Overrides { experts: Some(7), experts_per_token: Some(3), ..Default::default() };
+    write_model(&dir.join("model"), &opts).unwrap().dir.clone()
+}
+
+/// Issue 19: an idle follower of `serve` sleeps (no core spinning in a ring collective), and
+/// when rank 0 dies it stops at once with a message that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_follower_sleeps_and_stops_when_rank_0_is_gone() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let model = serve_model(dir.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let base = format!("http://127.0.0.1:{port}");
+    let ports: Vec<u16> = (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).map(|l| l.local_addr().unwrap().port()).collect();
+    let hostfile = dir.path().join("hostfile.json");
+    std::fs::write(&hostfile, serde_json::to_string(&ports.iter().map(|p| vec![format!("127.0.0.1:{p}")]).collect::<Vec<_>>()).unwrap()).unwrap();
+    let mut ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            Command::new(BIN)
+                .args(["serve", "--model", &s(&model), "--listen", &format!("127.0.0.1:{port}")])
+                .env("MLX_RANK", r.to_string())
+                .env("MLX_HOSTFILE", &hostfile)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let logs: Vec<_> = ranks.iter_mut().map(stderr_lines).collect();
+    wait_ready(&base, &mut ranks[0]).await;
+    // one request, so the follower has taken part in collectives before it idles
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = ranks[1].id();
+    let (c0, t0) = (cpu_seconds(pid), Instant::now());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (used, wall) = (cpu_seconds(pid) - c0, t0.elapsed().as_secs_f64());
+    eprintln!("idle follower: {used:.2} s of CPU in {wall:.1} s");
+    assert!(used < 0.1 * wall, "an idle follower used {used:.2} s of CPU in {wall:.1} s (spinning in a collective?)");
+
+    ranks[0].kill().unwrap();
+    ranks[0].wait().unwrap();
+    let killed = Instant::now();
+    let (status, took, log) = ended(&mut ranks[1], &logs[1], 1, killed, Duration::from_secs(10));
+    eprintln!("follower stopped {took:?} after rank 0 was killed ({status})");
+    assert!(!status.success());
+    assert!(log.contains("rank 0 closed its doorbell connection") || log.contains("connection to a peer was lost"), "{log}");
+    assert!(took < Duration::from_secs(5), "the follower took {took:?}");
+}
+
+/// Issue 19: `launch` forwards SIGTERM/SIGINT to its ranks and exits with their status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_forwards_signals_and_exits_with_the_ranks_status() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let model = serve_model(dir.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut launcher = Command::new(BIN)
+        .args(["launch", "--ranks", "2", "--", "serve", "--model", &s(&model), "--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = stderr_lines(&mut launcher);
+    wait_ready(&base, &mut launcher).await;
+    let ranks = children_of(launcher.id());
+    assert_eq!(ranks.len(), 2, "launch --ranks 2 runs two processes: {ranks:?}");
+    // SIGTERM to the launcher: rank 0 shuts the server down and stops its follower; status 0
+    assert_eq!(unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) }, 0);
+    let t0 = Instant::now();
+    let (status, took, text) = ended(&mut launcher, &log, 0, t0, Duration::from_secs(30));
+    eprintln!("serve: launcher ended {took:?} after SIGTERM ({status})");
+    assert!(status.success(), "launch -- serve after SIGTERM: {status}\n{text}");
+    assert!(text.contains("SIGTERM: shutting down"), "rank 0 did not get the signal:\n{text}");
+    for p in &ranks {
+        assert!(!alive(*p), "rank process {p} outlived its launcher");
+    }
+
+    // SIGINT while generating: rank 0 ends by the signal, the launcher exits 128 + 2
+    let g = Golden::load("tiny-a");
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, serde_json::to_string(&g.ids("input_ids")[..40]).unwrap()).unwrap();
+    let mut launcher = Command::new(BIN)
+        .args(["launch", "--ranks", "2", "--", "generate", "--model", &s(model_dir("tiny-a")), "--input-ids", &s(&ids), "--greedy", "--max-new-tokens", "1000000"])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = stderr_lines(&mut launcher);
+    let t0 = Instant::now();
+    loop {
+        match log.recv_timeout(Duration::from_secs(120)) {
+            Ok(l) if l.contains("local prefill") => break,
+            Ok(_) => {}
+            Err(e) => panic!("the ranks never decoded ({e})"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120));
+    }
+    let ranks = children_of(launcher.id());
+    assert_eq!(ranks.len(), 2);
+    assert_eq!(unsafe { libc::kill(launcher.id() as i32, libc::SIGINT) }, 0);
+    let t0 = Instant::now();
+    let (status, took, text) = ended(&mut launcher, &log, 0, t0, Duration::from_secs(30));
+    eprintln!("generate: launcher ended {took:?} after SIGINT ({status})");
+    assert_eq!(status.code(), Some(130), "{text}");
+    assert!(text.contains("stopped by signal 2"), "{text}");
+    for p in &ranks {
+        assert!(!alive(*p), "rank process {p} outlived its launcher");
+    }
 }

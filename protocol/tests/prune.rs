@@ -261,3 +261,60 @@ fn fit_table_of_the_real_k3_config() {
     let text = t.render();
     assert!(text.contains("512 GB") && text.contains("1M ctx"), "{text}");
 }
+
+#[test]
+fn fit_over_hosts_of_the_real_k3_config() {
+    use k3_protocol::fit::{fit_table_hosts, split, SplitSizes};
+    let mut o = SynthOptions::new(Preset::K3);
+    o.weights = false;
+    let cfg = o.config().unwrap();
+    let sz = SplitSizes::of(&cfg);
+    let d = DerivedSizes::of(&cfg);
+    let moe = cfg.text_config.layer_plan().iter().filter(|s| s.ffn == k3_protocol::config::FfnKind::LatentMoe).count() as u64;
+    let full = d.checkpoint_bytes;
+    // one host is the one-Mac table
+    let one = fit_table(&cfg, 16.0);
+    assert_eq!(fit_table_hosts(&cfg, 16.0, 1), one);
+    // even and uneven splits: every rank drops exactly the other ranks' expert weights
+    for (hosts, sizes) in [(4usize, vec![224usize, 224, 224, 224]), (3, vec![298, 299, 299]), (5, vec![179, 179, 179, 179, 180])] {
+        let s = sz.split(896, hosts);
+        assert_eq!(s.iter().map(|r| r.experts.len()).collect::<Vec<_>>(), sizes, "{hosts} hosts");
+        assert_eq!(s.last().unwrap().experts.end, 896);
+        for r in &s {
+            assert_eq!(r.weight_bytes, full - d.bytes_per_expert * moe * (896 - r.experts.len()) as u64, "rank {} of {hosts}", r.rank);
+        }
+    }
+    // a pruned split: 448 kept experts over 4 ranks
+    let p = sz.split(448, 4);
+    assert_eq!(p, split(&cfg, 448, 4));
+    assert_eq!(p[0].weight_bytes, pruned_bytes(&cfg, 448) - d.bytes_per_expert * moe * (448 - 112));
+    let get = |t: &k3_protocol::fit::FitTable, gb: u64, ctx: u64| t.cells.iter().find(|c| c.memory_gb == gb && c.context == ctx).unwrap().clone();
+    let mut last = one.clone();
+    let tables: Vec<_> = [2usize, 4, 8].iter().map(|&h| fit_table_hosts(&cfg, 16.0, h)).collect();
+    for t in &tables {
+        let hosts = t.hosts;
+        assert_eq!(t.hosts, hosts);
+        for c in &t.cells {
+            // the largest rank fits; one more expert per layer would not (unless all fit)
+            if let (Some(k), Some(b)) = (c.max_experts, c.rank_weight_bytes) {
+                assert!(b as i128 <= c.weight_budget);
+                assert_eq!(b, sz.split(k, hosts).iter().map(|r| r.weight_bytes).max().unwrap());
+                if k < 896 {
+                    let next = sz.split(k + 1, hosts).iter().map(|r| r.weight_bytes).max().unwrap();
+                    assert!(next as i128 > c.weight_budget, "{hosts} hosts, {} GB, {} ctx: {} experts", c.memory_gb, c.context, k + 1);
+                }
+            }
+            // more hosts never fit fewer experts
+            assert!(c.max_experts >= get(&last, c.memory_gb, c.context).max_experts);
+        }
+        last = t.clone();
+    }
+    // the full K3 needs four 512 GB Macs at a 128k context (the largest rank's 224 experts per layer)
+    let (t2, t4) = (&tables[0], &tables[1]);
+    assert!(get(t2, 512, 131_072).max_experts < Some(896));
+    assert_eq!(get(t4, 512, 131_072).max_experts, Some(896));
+    assert_eq!(get(t4, 512, 131_072).rank_weight_bytes, Some(sz.split(896, 4)[0].weight_bytes));
+    let text = t4.render();
+    assert!(text.contains("fit on 4 Mac Studios") && text.contains("224 + 224 + 224 + 224"), "{text}");
+    assert!(text.contains("all 896"), "{text}");
+}

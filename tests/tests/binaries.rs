@@ -200,3 +200,35 @@ fn unpaired_decoder_falls_back_with_a_reason() {
     let got: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
     assert_eq!(got, local_greedy(&engine, &prompt(501, 120, 1000), 8).0);
 }
+
+/// Issue 19: decoder ranks fed by a prefill node. `k3-decode launch --ranks N -- generate
+/// --prefill-node` (every rank asks the node and ingests its hand-off) prints the tokens of a
+/// single local process, for 2 and 4 ranks.
+#[test]
+fn decoder_ranks_decode_a_prefill_nodes_handoff() {
+    init_tracing();
+    let model = golden_dir("tiny-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("config");
+    let cfgs = cfg.to_str().unwrap();
+    let p = write_ids(tmp.path(), "p.json", &prompt(303, 120, 1000));
+    let ps = p.to_str().unwrap();
+    let server = serve(&model, &cfg);
+    let (local, _) = generate(&model, &["--input-ids", ps]);
+    let (_, decode) = binaries();
+    for n in [2usize, 4] {
+        let out = Command::new(&decode)
+            .args(["launch", "--ranks", &n.to_string(), "--step-timeout", "20", "--", "generate", "--model"])
+            .arg(&model)
+            .args(["--greedy", "--max-new-tokens", "8", "--input-ids", ps, "--prefill-node", &server.addr, "--insecure-dev"])
+            .args(["--remote-min-tokens", "1", "--config-dir", cfgs])
+            .env("RUST_LOG", "info")
+            .output()
+            .expect("running k3-decode launch");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "launch --ranks {n} failed:\n{stderr}");
+        assert_eq!(stderr.matches("remote prefill ingested").count(), n, "every rank ingests the node's hand-off:\n{stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["tokens"], local["tokens"], "{n} ranks from the node's hand-off vs one local process");
+    }
+}

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use k3_protocol::config::{AttnKind, FfnKind};
-use k3_protocol::fit::{fit_table, FitTable};
+use k3_protocol::fit::{fit_table, fit_table_hosts, FitTable};
 use k3_protocol::tensors::{all_tensors, DerivedSizes, Init, TensorSpec};
 use k3_protocol::{Checkpoint, K3Config, LayerSpec};
 use serde::Serialize;
@@ -29,6 +29,10 @@ pub struct Args {
     /// Memory held back on each Mac for macOS and the decoder's buffers in the fit table, GiB.
     #[arg(long, default_value_t = k3_protocol::fit::DEFAULT_RESERVE_GIB)]
     pub reserve_gib: f64,
+    /// Also fit the model over this many Macs (decoder ranks, `k3-decode launch`): one table per
+    /// host count, routed experts split by expert, e.g. `--hosts 2,4`.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub hosts: Vec<u64>,
 }
 
 /// Bytes and parameters of one component of the model.
@@ -78,6 +82,8 @@ pub struct Report {
     pub special_token_ids: SpecialIds,
     /// Which expert counts fit which Mac Studio at which context length.
     pub fit: FitTable,
+    /// The same over several Macs (`--hosts`), one table per host count.
+    pub fit_hosts: Vec<FitTable>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -160,7 +166,7 @@ fn components(cfg: &K3Config, specs: &[TensorSpec]) -> Vec<Component> {
 }
 
 /// The report of a config (and optionally the checkpoint it came with).
-pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)>, reserve_gib: f64) -> Report {
+pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)>, reserve_gib: f64, hosts: &[u64]) -> Report {
     let c = &cfg.text_config;
     let plan = c.layer_plan();
     let specs = all_tensors(cfg);
@@ -208,6 +214,7 @@ pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)
             media_placeholder: cfg.media_placeholder_token_id,
         },
         fit: fit_table(cfg, reserve_gib),
+        fit_hosts: hosts.iter().map(|&h| fit_table_hosts(cfg, reserve_gib, h as usize)).collect(),
     }
 }
 
@@ -318,6 +325,10 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(s, "  total at 1,048,576 tokens {} B ({})", grouped(h.bytes_at_1m_tokens as u128), bytes_iec(h.bytes_at_1m_tokens));
     let _ = writeln!(s);
     s.push_str(&r.fit.render());
+    for t in &r.fit_hosts {
+        let _ = writeln!(s);
+        s.push_str(&t.render());
+    }
     s
 }
 
@@ -335,10 +346,10 @@ pub fn build(args: &Args) -> anyhow::Result<Report> {
     if let Some(dir) = &args.model {
         let ck = Checkpoint::open(dir).with_context(|| format!("checkpoint {}", dir.display()))?;
         let warnings = ck.validate()?;
-        Ok(report(ck.config(), dir, Some((&ck, warnings)), args.reserve_gib))
+        Ok(report(ck.config(), dir, Some((&ck, warnings)), args.reserve_gib, &args.hosts))
     } else {
         let path = args.config.as_ref().context("--model or --config is required")?;
-        Ok(report(&load_config(path)?, path, None, args.reserve_gib))
+        Ok(report(&load_config(path)?, path, None, args.reserve_gib, &args.hosts))
     }
 }
 
@@ -364,6 +375,7 @@ mod tests {
             config: config.map(Path::to_path_buf),
             json: true,
             reserve_gib: k3_protocol::fit::DEFAULT_RESERVE_GIB,
+            hosts: Vec::new(),
         }
     }
 
@@ -433,6 +445,29 @@ mod tests {
             assert!(text.contains("bytes per expert          17,547,264"), "{text}");
             assert!(text.contains("MLA latent, BF16          27,648 B / token"), "{text}");
         }
+    }
+
+    #[test]
+    fn inspect_prints_host_tables() {
+        let d = tempfile::tempdir().unwrap();
+        let mut o = SynthOptions::new(Preset::K3);
+        o.weights = false;
+        write_model(d.path(), &o).unwrap();
+        let mut a = args(None, Some(d.path()));
+        a.hosts = vec![2, 4];
+        let r = build(&a).unwrap();
+        assert_eq!(r.fit_hosts.iter().map(|t| t.hosts).collect::<Vec<_>>(), vec![2, 4]);
+        assert_eq!(r.fit.hosts, 1);
+        let four = &r.fit_hosts[1];
+        assert_eq!(four.full_split.iter().map(|s| s.experts.len()).collect::<Vec<_>>(), vec![224; 4]);
+        // four 512 GB Macs hold the whole model at every context; two never do
+        assert!(four.cells.iter().filter(|c| c.memory_gb == 512).all(|c| c.max_experts == Some(896)));
+        assert!(r.fit_hosts[0].cells.iter().all(|c| c.max_experts < Some(896)));
+        let text = render(&r);
+        assert!(text.contains("fit on 2 Mac Studios") && text.contains("fit on 4 Mac Studios"), "{text}");
+        assert!(text.contains("224 + 224 + 224 + 224 per rank and layer"), "{text}");
+        let v: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(v["fit_hosts"][1]["full_split"][3]["experts"]["end"], 896);
     }
 
     #[test]

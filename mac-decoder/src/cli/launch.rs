@@ -8,13 +8,21 @@
 //! addresses are loopback (or the ones named by `--local-ranks`) are started here.
 //!
 //! Rank 0's stdout is the command's stdout; the other ranks' stdout is discarded (their log goes
-//! to stderr). When one rank fails, the others are stopped and the launcher fails naming it.
+//! to stderr). When one rank fails, the others are stopped and the launcher fails naming it,
+//! with that rank's exit status.
+//!
+//! Signals: the ranks run in their own process group (a terminal's Ctrl-C reaches only the
+//! launcher) and, on Linux, get SIGTERM if the launcher dies. SIGTERM, SIGINT and SIGHUP to the
+//! launcher are forwarded to rank 0 first (a `serve` rank 0 shuts down and stops its followers
+//! itself), after [`GRACE`] to every rank still running, after another [`GRACE`] the rest are
+//! killed; the launcher then exits with rank 0's status (a rank ended by signal S: 128 + S).
 
 #![cfg_attr(not(feature = "mlx"), allow(dead_code, unused_imports))]
 
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -63,6 +71,23 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
+/// How long the ranks get after a forwarded signal before the next step (signal to every rank,
+/// then SIGKILL).
+pub const GRACE: Duration = Duration::from_secs(10);
+
+/// The last of SIGTERM/SIGINT/SIGHUP the launcher received (0: none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+/// The launcher's exit status for a rank's: its exit code, or 128 + the signal that ended it.
+fn exit_code(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status.code().or_else(|| status.signal().map(|s| 128 + s)).unwrap_or(1)
+}
+
 fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
@@ -84,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("launch cannot launch itself");
     }
     // the hostfile: given, or a loopback ring written to a temporary file
-    let _tmp;
+    let mut tmp: Option<tempfile::TempDir> = None;
     let (hostfile, hosts) = match &args.hostfile {
         Some(f) => {
             let hosts = crate::distributed::read_hostfile(f)?;
@@ -104,7 +129,7 @@ pub fn run(args: Args) -> Result<()> {
             let dir = tempfile::Builder::new().prefix("k3-ranks-").tempdir().context("creating a temporary directory for the hostfile")?;
             let path = dir.path().join("hostfile.json");
             std::fs::write(&path, serde_json::to_string(&hosts)?).with_context(|| format!("writing {}", path.display()))?;
-            _tmp = dir;
+            tmp = Some(dir);
             (path, hosts)
         }
     };
@@ -147,6 +172,10 @@ pub fn run(args: Args) -> Result<()> {
         bail!("no rank of {} has a loopback address: start each rank on its host with the commands above (or name them with --local-ranks)", hostfile.display());
     }
 
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        unsafe { libc::signal(sig, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t) };
+    }
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(local.len());
     for &r in &local {
         let mut cmd = Command::new(&exe);
@@ -155,6 +184,21 @@ pub fn run(args: Args) -> Result<()> {
             cmd.env(k, v);
         }
         cmd.stdin(Stdio::null()).stdout(if r == 0 { Stdio::inherit() } else { Stdio::null() });
+        {
+            use std::os::unix::process::CommandExt;
+            // own process group: a terminal's Ctrl-C reaches the launcher, which forwards it
+            cmd.process_group(0);
+            #[cfg(target_os = "linux")]
+            // SAFETY: prctl is async-signal-safe; the child gets SIGTERM when the launcher dies.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         match cmd.spawn() {
             Ok(c) => children.push((r, c)),
             Err(e) => {
@@ -164,10 +208,60 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     tracing::info!(ranks = n, local = ?local, hostfile = %hostfile.display(), "decoder ranks started");
+    let code = wait_ranks(children);
+    drop(tmp);
+    match code {
+        Ok(()) => Ok(()),
+        Err((code, msg)) => {
+            eprintln!("k3-decode: error: {msg}");
+            std::process::exit(code);
+        }
+    }
+}
 
-    // wait for all; the first failure stops the rest
-    let mut failure: Option<String> = None;
+/// Waits for the local ranks, forwarding the launcher's signals; the first failure stops the
+/// rest. `Err((exit status, message))` when the launch failed or was stopped by a signal.
+fn wait_ranks(mut children: Vec<(usize, Child)>) -> std::result::Result<(), (i32, String)> {
+    let first_local = children.first().map(|(r, _)| *r).unwrap_or(0);
+    let mut failure: Option<(i32, String)> = None;
+    // after a signal: (the signal, when it was forwarded, escalation steps taken)
+    let mut forwarded: Option<(i32, Instant, u8)> = None;
+    let mut lead_status: Option<ExitStatus> = None;
+    let send = |children: &[(usize, Child)], sig: i32, only_lead: bool| {
+        for (r, c) in children {
+            if !only_lead || *r == first_local {
+                // SAFETY: a signal to our own, not yet reaped child
+                unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+            }
+        }
+    };
     while !children.is_empty() {
+        let sig = SIGNALLED.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            match forwarded {
+                None => {
+                    tracing::warn!(signal = sig, rank = first_local, "forwarding the signal to rank {first_local}");
+                    send(&children, sig, true);
+                    forwarded = Some((sig, Instant::now(), 0));
+                }
+                // a second signal: every rank at once
+                Some((s, t, _)) => {
+                    send(&children, sig, false);
+                    forwarded = Some((s, t, 1));
+                }
+            }
+        }
+        if let Some((s, t, step)) = forwarded {
+            if step == 0 && t.elapsed() > GRACE {
+                tracing::warn!(signal = s, "ranks still running {GRACE:?} after the signal: forwarding it to every rank");
+                send(&children, s, false);
+                forwarded = Some((s, t, 1));
+            } else if step == 1 && t.elapsed() > 2 * GRACE {
+                tracing::error!("ranks still running {:?} after the signal: killing them", 2 * GRACE);
+                stop_all(&mut children);
+                break;
+            }
+        }
         let mut i = 0;
         while i < children.len() {
             let (r, child) = &mut children[i];
@@ -175,8 +269,11 @@ pub fn run(args: Args) -> Result<()> {
                 Ok(Some(status)) => {
                     let r = *r;
                     children.remove(i);
-                    if !status.success() && failure.is_none() {
-                        failure = Some(format!("rank {r} failed ({})", describe(status)));
+                    if r == first_local {
+                        lead_status = Some(status);
+                    }
+                    if forwarded.is_none() && !status.success() && failure.is_none() {
+                        failure = Some((exit_code(status), format!("rank {r} failed ({})", describe(status))));
                         if !children.is_empty() {
                             tracing::error!(rank = r, status = %describe(status), "a rank failed: stopping the others");
                             stop_all(&mut children);
@@ -187,14 +284,21 @@ pub fn run(args: Args) -> Result<()> {
                 Err(e) => {
                     let r = *r;
                     stop_all(&mut children);
-                    bail!("waiting for rank {r}: {e}");
+                    return Err((1, format!("waiting for rank {r}: {e}")));
                 }
             }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    if let Some((sig, _, _)) = forwarded {
+        return match lead_status {
+            Some(st) if st.success() => Ok(()),
+            Some(st) => Err((exit_code(st), format!("stopped by signal {sig}: rank {first_local} ended with {}", describe(st)))),
+            None => Err((128 + sig, format!("stopped by signal {sig}: rank {first_local} had to be killed"))),
+        };
+    }
     match failure {
-        Some(f) => bail!("{f}; the other ranks were stopped"),
+        Some((code, f)) => Err((code, format!("{f}; the other ranks were stopped"))),
         None => Ok(()),
     }
 }

@@ -97,7 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return crate::server::ranks::follow(load()?, world);
     }
     let engine = if world.is_distributed() {
-        EngineHandle::spawn(move || Ok(crate::server::ranks::RankedEngine::new(load()?, world)), store, metrics.clone())?
+        EngineHandle::spawn(move || Ok(crate::server::ranks::RankedEngine::new(load()?, world)?), store, metrics.clone())?
     } else {
         EngineHandle::spawn(load, store, metrics.clone())?
     };

@@ -16,7 +16,6 @@
 pub mod watchdog;
 
 use std::ffi::CString;
-use std::ops::Range;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -42,6 +41,8 @@ pub struct Group {
     rank: usize,
     size: usize,
     backend: String,
+    /// The hostfile's addresses, one list per rank (empty for a group of one).
+    hosts: Vec<Vec<String>>,
     step_timeout: Duration,
     start_timeout: Duration,
 }
@@ -79,7 +80,7 @@ impl Group {
         let backend = std::env::var(ENV_BACKEND).unwrap_or_else(|_| "ring".into());
         let (rank, hostfile) = (std::env::var(ENV_RANK).ok(), std::env::var(ENV_HOSTFILE).ok());
         let (Some(rank_s), Some(hostfile)) = (rank, hostfile) else {
-            return Ok(Group { raw: None, rank: 0, size: 1, backend, step_timeout, start_timeout });
+            return Ok(Group { raw: None, rank: 0, size: 1, backend, hosts: Vec::new(), step_timeout, start_timeout });
         };
         let rank: usize = rank_s.trim().parse().with_context(|| format!("{ENV_RANK}={rank_s:?} is not a rank number"))?;
         let hosts = read_hostfile(std::path::Path::new(&hostfile))?;
@@ -87,7 +88,7 @@ impl Group {
             bail!("{ENV_RANK}={rank} but the hostfile {hostfile} lists {} ranks", hosts.len());
         }
         if hosts.len() == 1 {
-            return Ok(Group { raw: None, rank: 0, size: 1, backend, step_timeout, start_timeout });
+            return Ok(Group { raw: None, rank: 0, size: 1, backend, hosts: Vec::new(), step_timeout, start_timeout });
         }
         crate::mlx::ensure_error_handler();
         let bk = CString::new(backend.clone()).context("backend name")?;
@@ -105,7 +106,7 @@ impl Group {
             bail!("{what}: MLX formed rank {r} of {n}");
         }
         tracing::info!(rank, size = n, backend = %backend, "joined the decoder ranks");
-        Ok(Group { raw: Some(g), rank, size: n as usize, backend, step_timeout, start_timeout })
+        Ok(Group { raw: Some(g), rank, size: n as usize, backend, hosts, step_timeout, start_timeout })
     }
 
     pub fn rank(&self) -> usize {
@@ -119,6 +120,10 @@ impl Group {
     }
     pub fn backend(&self) -> &str {
         &self.backend
+    }
+    /// The hostfile's `host:port` addresses of `rank` (empty in a group of one).
+    pub fn addresses(&self, rank: usize) -> &[String] {
+        self.hosts.get(rank).map_or(&[], Vec::as_slice)
     }
     /// How long one decode step may wait on its peers.
     pub fn step_timeout(&self) -> Duration {
@@ -212,12 +217,8 @@ enum CollectiveOp {
     Gather,
 }
 
-/// The contiguous block of routed experts that `rank` of `size` holds: sizes differ by at most
-/// one (7 experts over 4 ranks: 1, 2, 2, 2); with more ranks than experts some hold none.
-pub fn expert_range(n_experts: usize, rank: usize, size: usize) -> Range<usize> {
-    let size = size.max(1);
-    (n_experts * rank / size)..(n_experts * (rank + 1) / size)
-}
+/// The contiguous block of routed experts a rank holds (the fit planner's split).
+pub use k3_protocol::fit::expert_range;
 
 /// A ring hostfile: one entry per rank, each a list of `host:port` addresses.
 pub fn read_hostfile(path: &std::path::Path) -> Result<Vec<Vec<String>>> {
@@ -243,26 +244,4 @@ pub fn read_hostfile(path: &std::path::Path) -> Result<Vec<Vec<String>>> {
         }
     }
     Ok(hosts)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::expert_range;
-
-    #[test]
-    fn expert_ranges_cover_every_expert_once() {
-        for e in [1usize, 4, 7, 16, 896] {
-            for n in 1..=9usize {
-                let ranges: Vec<_> = (0..n).map(|r| expert_range(e, r, n)).collect();
-                assert_eq!(ranges[0].start, 0);
-                assert_eq!(ranges[n - 1].end, e);
-                for w in ranges.windows(2) {
-                    assert_eq!(w[0].end, w[1].start);
-                }
-                let (lo, hi) = (ranges.iter().map(|r| r.len()).min().unwrap(), ranges.iter().map(|r| r.len()).max().unwrap());
-                assert!(hi - lo <= 1, "{e} experts over {n} ranks: {ranges:?}");
-            }
-        }
-        assert_eq!((0..4).map(|r| expert_range(7, r, 4).len()).collect::<Vec<_>>(), vec![1, 2, 2, 2]);
-    }
 }

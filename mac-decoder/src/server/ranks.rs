@@ -8,9 +8,18 @@
 //! A message is a header of [`HEADER`] i32 (`magic, op, session id, argument, payload length`)
 //! and a payload (freed session ids, then token ids), each an all_sum to which the followers
 //! contribute zeros.
+//!
+//! MLX's ring backend busy-polls its sockets while a collective waits, so a follower that sat
+//! in the next message's all_sum while the server is idle would burn a core. Before each
+//! message rank 0 rings a [`Doorbell`] — one byte on a plain TCP connection to every follower —
+//! and an idle follower sleeps in a blocking read of it; it enters the collective only when a
+//! message is on its way. The same connection tells a follower that rank 0 is gone (EOF).
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -80,6 +89,85 @@ fn exchange(world: &Group, msg: Option<&Msg>) -> Result<Msg> {
     })
 }
 
+/// The wake-up connections between rank 0 and the followers (see the module docs): rank 0
+/// holds one stream per follower, a follower one stream to rank 0.
+pub struct Doorbell {
+    streams: Vec<(usize, TcpStream)>,
+}
+
+/// The host part of a `host:port` address (`[::1]:5000` → `::1`).
+fn host_of(addr: &str) -> &str {
+    addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_matches(|c| c == '[' || c == ']')
+}
+
+impl Doorbell {
+    /// Connects rank 0 with every follower: rank 0 listens on its hostfile host (a free port,
+    /// sent to the followers through a collective), each follower connects and names its rank.
+    /// Every rank calls this at the same point (after loading the model).
+    pub fn open(world: &Group) -> Result<Doorbell> {
+        if !world.is_distributed() {
+            return Ok(Doorbell { streams: Vec::new() });
+        }
+        let me = world.rank();
+        let _guard = watchdog::guard(&format!("rank {me} of {} connecting the doorbell", world.size()), world.start_timeout());
+        let host = world.addresses(0).first().map(|a| host_of(a).to_string()).context("rank 0 has no address in the hostfile")?;
+        if me == 0 {
+            let listener = TcpListener::bind((host.as_str(), 0)).with_context(|| format!("rank 0: binding the doorbell on {host}"))?;
+            let port = listener.local_addr()?.port();
+            world.broadcast_i32(Some(&[port as i32]), 1)?;
+            let mut streams = Vec::with_capacity(world.size() - 1);
+            while streams.len() + 1 < world.size() {
+                let (mut s, peer) = listener.accept().context("rank 0: accepting a follower's doorbell connection")?;
+                s.set_read_timeout(Some(Duration::from_secs(30)))?;
+                let mut r = [0u8; 4];
+                s.read_exact(&mut r).with_context(|| format!("rank 0: reading the rank of doorbell connection {peer}"))?;
+                let r = u32::from_le_bytes(r) as usize;
+                if r == 0 || r >= world.size() || streams.iter().any(|(x, _)| *x == r) {
+                    bail!("rank 0: doorbell connection {peer} claims rank {r} (the group has ranks 1..{})", world.size() - 1);
+                }
+                s.set_read_timeout(None)?;
+                s.set_nodelay(true)?;
+                streams.push((r, s));
+            }
+            Ok(Doorbell { streams })
+        } else {
+            let port = world.broadcast_i32(None, 1)?[0];
+            let port = u16::try_from(port).with_context(|| format!("rank {me}: rank 0 sent doorbell port {port}"))?;
+            let addrs: Vec<_> = (host.as_str(), port).to_socket_addrs().with_context(|| format!("rank {me}: resolving rank 0's host {host}"))?.collect();
+            let t0 = Instant::now();
+            let mut s = loop {
+                match addrs.iter().find_map(|a| TcpStream::connect_timeout(a, Duration::from_secs(5)).ok()) {
+                    Some(s) => break s,
+                    None if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(100)),
+                    None => bail!("rank {me}: could not connect to rank 0's doorbell at {host}:{port}"),
+                }
+            };
+            s.set_nodelay(true)?;
+            s.write_all(&(me as u32).to_le_bytes()).with_context(|| format!("rank {me}: greeting rank 0's doorbell"))?;
+            Ok(Doorbell { streams: vec![(0, s)] })
+        }
+    }
+
+    /// Rank 0: wakes every follower for the next message.
+    fn ring(&mut self) -> Result<()> {
+        for (r, s) in &mut self.streams {
+            s.write_all(&[1]).with_context(|| format!("rank 0: waking rank {r} (its doorbell connection is gone: the rank has stopped)"))?;
+        }
+        Ok(())
+    }
+
+    /// A follower: sleeps until rank 0 rings (no CPU while the server is idle).
+    fn wait(&mut self, me: usize) -> Result<()> {
+        let Some((_, s)) = self.streams.first_mut() else { return Ok(()) };
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(1) => Ok(()),
+            Ok(_) => bail!("rank {me}: rank 0 closed its doorbell connection (rank 0 has stopped)"),
+            Err(e) => Err(e).with_context(|| format!("rank {me}: waiting for rank 0's next call")),
+        }
+    }
+}
+
 /// A session of rank 0, known to the followers by its id.
 pub struct RankedSession<S> {
     id: u32,
@@ -98,19 +186,23 @@ impl<S> Drop for RankedSession<S> {
 pub struct RankedEngine<E: GenerationEngine> {
     inner: E,
     world: &'static Group,
+    doorbell: Doorbell,
     next_id: u32,
     freed: Arc<Mutex<Vec<u32>>>,
 }
 
 impl<E: GenerationEngine> RankedEngine<E> {
-    pub fn new(inner: E, world: &'static Group) -> Self {
-        RankedEngine { inner, world, next_id: 0, freed: Arc::new(Mutex::new(Vec::new())) }
+    /// Rank 0's engine; connects the doorbell (the followers do in [`follow`]).
+    pub fn new(inner: E, world: &'static Group) -> Result<Self> {
+        let doorbell = Doorbell::open(world)?;
+        Ok(RankedEngine { inner, world, doorbell, next_id: 0, freed: Arc::new(Mutex::new(Vec::new())) })
     }
 
     fn send(&mut self, op: Op, session: u32, arg: i32, tokens: &[u32]) -> Result<()> {
         let freed = std::mem::take(&mut *self.freed.lock().unwrap_or_else(|e| e.into_inner()));
         let msg = Msg { op, session, arg, freed, tokens: tokens.to_vec() };
         let _guard = watchdog::guard(&format!("rank 0 of {} sending {op:?} to the other ranks", self.world.size()), self.world.step_timeout());
+        self.doorbell.ring()?;
         exchange(self.world, Some(&msg)).with_context(|| format!("rank 0 of {}: sending {op:?} to the other ranks", self.world.size()))?;
         Ok(())
     }
@@ -183,13 +275,16 @@ impl<E: GenerationEngine> GenerationEngine for RankedEngine<E> {
 }
 
 /// A follower rank: makes rank 0's session calls on `engine` until rank 0 shuts down. Waiting
-/// for the next call has no timeout (the server may be idle); the calls themselves run under
-/// the engine's watchdog.
+/// for the next call has no timeout (the server may be idle) and costs no CPU (a blocking read
+/// of the doorbell); the calls themselves run under the engine's watchdog. When rank 0 is gone
+/// (its doorbell connection closes) the follower fails at once.
 pub fn follow<E: GenerationEngine>(mut engine: E, world: &'static Group) -> Result<()> {
     let mut sessions: HashMap<u32, E::Session> = HashMap::new();
     let me = world.rank();
+    let mut doorbell = Doorbell::open(world)?;
     tracing::info!(rank = me, "following rank 0's sessions");
     loop {
+        doorbell.wait(me)?;
         let m = exchange(world, None)?;
         for id in &m.freed {
             sessions.remove(id);
