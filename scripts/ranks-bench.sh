@@ -5,7 +5,8 @@
 #   BIN=target/release scripts/ranks-bench.sh OUTDIR
 # Env: BIN (folder with k3-decode and k3-prefill), MODEL (default OUTDIR/model, written by
 # `k3-prefill synth` when missing), LAYERS (4), EXPERTS (64), TOKENS (16 new tokens per run),
-# RANKS ("1 2 4"), CORES (nproc; each rank gets CORES/N BLAS threads).
+# RANKS ("1 2 4"), CORES (nproc; each rank gets CORES/N BLAS threads), SYNTH_ARGS (more
+# `k3-prefill synth` overrides, e.g. "--intermediate 1024").
 # Writes OUTDIR/log-N.txt (every rank's log), OUTDIR/net-N.txt (loopback tx bytes sampled every
 # 50 ms) and OUTDIR/summary.json.
 set -euo pipefail
@@ -22,7 +23,7 @@ if [ ! -f "$M/config.json" ]; then
   t0=$(date +%s.%N)
   "$BIN"/k3-prefill synth --preset k3 --layers "$LAYERS" --full-attn-layers "$LAYERS" --experts "$EXPERTS" --vocab 8192 \
     --vision-layers 0 --vision-hidden 32 --vision-heads 1 --vision-qkv 32 --vision-intermediate 32 --vision-pos 2 \
-    --no-tokenizer --no-progress --seed 1 --out "$M" >"$OUT/synth.txt" 2>&1
+    ${SYNTH_ARGS:-} --no-tokenizer --no-progress --seed 1 --out "$M" >"$OUT/synth.txt" 2>&1
   echo "synth: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s, $(du -sh "$M" | cut -f1)"
 fi
 python3 -c 'import json; print(json.dumps(list(range(100, 132))))' >"$OUT/ids.json"
