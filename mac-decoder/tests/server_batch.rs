@@ -1,6 +1,7 @@
 //! Concurrent requests on the engine thread (issues 18 and 21): admitted requests decode
 //! together (continuous batching; the fake engine's batched step costs one step, as a batched
-//! pass over the weights does), each reply equal to the one it gets alone; and a client that
+//! pass over the weights does), each reply equal to the one it gets alone; a long prompt's
+//! prefill runs chunk by chunk between the running streams' steps; and a client that
 //! leaves — streamed or not, while its request is queued, prefilling or decoding — cancels
 //! its job, whose slot frees at once.
 
@@ -26,6 +27,10 @@ struct Server {
 /// A server on a fake engine that replies with ordinary ids derived from the whole history
 /// (never a stop id: replies run to `max_tokens`).
 async fn start(step_delay: Duration, prefill_delay_per_token: Duration) -> Server {
+    start_chunked(step_delay, prefill_delay_per_token, None).await
+}
+
+async fn start_chunked(step_delay: Duration, prefill_delay_per_token: Duration, prefill_chunk: Option<usize>) -> Server {
     let dir = tempfile::tempdir().unwrap();
     k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
     std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
@@ -36,6 +41,7 @@ async fn start(step_delay: Duration, prefill_delay_per_token: Duration) -> Serve
             let mut e = FakeEngine::new(VOCAB, CONTEXT, vec![], 1, |_: &[u32]| vec![]);
             e.step_delay = step_delay;
             e.prefill_delay_per_token = prefill_delay_per_token;
+            e.prefill_chunk = prefill_chunk;
             Ok(e)
         },
         StoreOptions { max_sessions: 16, max_bytes: 1 << 30, checkpoints: false },
@@ -185,4 +191,36 @@ async fn clients_that_leave_during_a_prefill_or_in_the_queue_cost_nothing_more()
     let t0 = Instant::now();
     assert_eq!(complete(&client, &s, &[100, 101], 3).await.len(), 3);
     assert!(t0.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_prefill_does_not_stall_the_running_streams() {
+    // prefill 1 ms a token in chunks of 100; decode steps of 5 ms
+    let s = start_chunked(Duration::from_millis(5), Duration::from_millis(1), Some(100)).await;
+    let client = reqwest::Client::new();
+    let long: Vec<u32> = (0..1500).map(|i| 100 + i % 300).collect();
+    let alone = complete(&client, &s, &long, 5).await;
+    // a stream running while the long prompt (1.5 s of prefill) arrives
+    let body = json!({"prompt": [100, 101, 102], "max_tokens": 600, "stream": true, "temperature": 0});
+    let mut r = client.post(url(&s)).json(&body).send().await.unwrap();
+    r.chunk().await.unwrap().unwrap();
+    let other = {
+        let (client, long) = (client.clone(), long.clone());
+        let u = url(&s);
+        tokio::spawn(async move {
+            let body = json!({"prompt": long, "max_tokens": 5, "return_token_ids": true, "temperature": 0});
+            let v: Value = client.post(u).json(&body).send().await.unwrap().json().await.unwrap();
+            v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<u32>>()
+        })
+    };
+    let (t0, mut last, mut worst) = (Instant::now(), Instant::now(), Duration::ZERO);
+    while t0.elapsed() < Duration::from_millis(1500) {
+        let Some(_) = r.chunk().await.unwrap() else { break };
+        worst = worst.max(last.elapsed());
+        last = Instant::now();
+    }
+    drop(r);
+    assert_eq!(other.await.unwrap(), alone, "a prompt prefilled in chunks between decode steps replies differently");
+    eprintln!("longest pause of the running stream during a 1.5-s prefill: {:.0} ms", worst.as_secs_f64() * 1e3);
+    assert!(worst < Duration::from_millis(700), "the running stream paused {:.2} s during another prompt's prefill", worst.as_secs_f64());
 }

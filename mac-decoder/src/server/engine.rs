@@ -67,6 +67,13 @@ pub trait GenerationEngine: 'static {
     fn max_batch(&self) -> usize {
         8
     }
+    /// Tokens per prefill call when the server may split a prompt's prefill into calls and run
+    /// decode steps of the other requests between them (the calls continue the session, so
+    /// the result is the same); `None` (the default): one call per prompt (e.g. a prompt that
+    /// may go to a prefill node whole).
+    fn prefill_chunk(&self) -> Option<usize> {
+        None
+    }
     /// The flag that cancels the prefill in progress (checked between chunks locally, and on
     /// every event of a remote transfer); `None` clears it. The default ignores it.
     fn set_cancel(&mut self, _flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {}
@@ -119,6 +126,8 @@ pub struct FakeEngine {
     pub step_delay: Duration,
     /// Set by the worker around a prefill: a simulated prefill stops when it is raised.
     cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// [`GenerationEngine::prefill_chunk`] (default `None`).
+    pub prefill_chunk: Option<usize>,
 }
 
 /// A [`FakeEngine`] session: the tokens consumed and the next-token logits.
@@ -144,6 +153,7 @@ impl FakeEngine {
             prefill_delay_per_token: Duration::ZERO,
             step_delay: Duration::ZERO,
             cancel: None,
+            prefill_chunk: None,
         }
     }
 
@@ -212,6 +222,9 @@ impl GenerationEngine for FakeEngine {
     }
     fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
         self.cancel = flag;
+    }
+    fn prefill_chunk(&self) -> Option<usize> {
+        self.prefill_chunk
     }
     /// A batched step: the simulated step time is paid once for the whole batch.
     fn step_batch(&mut self, sessions: &mut [&mut FakeSession], tokens: &[u32]) -> anyhow::Result<()> {

@@ -159,6 +159,11 @@ impl GenerationEngine for MlxEngine {
     fn max_batch(&self) -> usize {
         self.max_batch
     }
+    /// Local prefills run chunk by chunk between the decode steps of the running requests; with
+    /// a prefill node a prompt stays whole (its route is chosen for the whole prompt).
+    fn prefill_chunk(&self) -> Option<usize> {
+        self.remote.is_none().then(|| self.engine.options().prefill_chunk)
+    }
     fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
         if let Some(r) = self.remote.as_mut() {
             r.set_cancel(flag.clone());

@@ -149,30 +149,31 @@ impl EngineHandle {
             let _ = ready_tx.send(Ok((engine.vocab_size(), engine.max_context(), engine.media())));
             let mut worker = Worker { store: SessionStore::new(store.max_sessions, store.max_bytes), checkpoints: store.checkpoints, metrics };
             let mut running: Vec<Running<E::Session>> = Vec::new();
+            // a prompt being prefilled chunk by chunk between decode steps
+            let mut prefilling: Option<Prefilling<E::Session>> = None;
             let mut open = true;
             loop {
                 // admit: wait for work when idle, else take what is queued up to the batch limit
-                if running.is_empty() {
+                if running.is_empty() && prefilling.is_none() {
                     match jobs_rx.blocking_recv() {
-                        Some(q) => worker.admit(&mut engine, q, &mut running),
+                        Some(q) => worker.admit(&mut engine, q, &mut running, &mut prefilling),
                         None => break,
                     }
                 }
-                while open && running.len() < engine.max_batch().max(1) {
+                while open && prefilling.is_none() && running.len() < engine.max_batch().max(1) {
                     match jobs_rx.try_recv() {
-                        Ok(q) => worker.admit(&mut engine, q, &mut running),
+                        Ok(q) => worker.admit(&mut engine, q, &mut running, &mut prefilling),
                         Err(mpsc::error::TryRecvError::Empty) => break,
                         Err(mpsc::error::TryRecvError::Disconnected) => open = false,
                     }
                 }
                 worker.metrics.queued.set(jobs_rx.len() as i64);
-                if running.is_empty() {
-                    if open {
-                        continue;
-                    }
-                    break;
+                if let Some(p) = prefilling.take() {
+                    prefilling = worker.prefill_step(&mut engine, p, &mut running);
                 }
-                worker.step(&mut engine, &mut running);
+                if !running.is_empty() {
+                    worker.step(&mut engine, &mut running);
+                }
             }
         })?;
         let (vocab_size, max_context, media) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
@@ -221,6 +222,24 @@ struct Worker<S> {
     metrics: Arc<Metrics>,
 }
 
+/// A job whose prompt is prefilled chunk by chunk, one chunk between decode steps.
+struct Prefilling<S> {
+    q: Queued,
+    media: Vec<MediaKey>,
+    session: S,
+    /// Prompt tokens continued from a held state.
+    reused: usize,
+    /// Prompt tokens the session holds.
+    done: usize,
+    /// The chunks so far.
+    report: PrefillReport,
+}
+
+enum Begun<S> {
+    Ready(Running<S>),
+    Prefilling(Prefilling<S>),
+}
+
 /// A job decoding: its session, its place in the decode loop, and its way back.
 struct Running<S> {
     session: S,
@@ -237,8 +256,16 @@ impl<S: 'static> Worker<S> {
         self.metrics.session_bytes.set(self.store.total_bytes() as i64);
     }
 
-    /// Gets a queued job's prompt ready and adds it to `running` (or reports why it cannot run).
-    fn admit<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, q: Queued, running: &mut Vec<Running<S>>) {
+    /// Takes a queued job: its prompt ready, it joins `running`; or, when the engine prefills
+    /// in chunks and more than one chunk is left, it becomes `prefilling` (the loop runs one
+    /// chunk between decode steps, so the running streams go on). Reports why a job cannot run.
+    fn admit<E: GenerationEngine<Session = S>>(
+        &mut self,
+        engine: &mut E,
+        q: Queued,
+        running: &mut Vec<Running<S>>,
+        prefilling: &mut Option<Prefilling<S>>,
+    ) {
         if q.cancelled() {
             self.metrics.cancelled.inc();
             tracing::debug!("a queued request was cancelled before it started");
@@ -246,20 +273,100 @@ impl<S: 'static> Worker<S> {
         }
         let (events, cancel) = (q.events.clone(), q.cancel.clone());
         engine.set_cancel(Some(cancel.clone()));
-        let r = self.start(engine, q);
+        let r = self.begin(engine, q);
         engine.set_cancel(None);
         match r {
-            Ok(run) => running.push(run),
-            Err(e) if cancel.load(Ordering::Relaxed) || events.is_closed() => {
-                self.metrics.cancelled.inc();
-                tracing::info!(error = %format!("{e:#}"), "a request was cancelled while its prompt was prefilled");
-            }
-            Err(e) => {
-                tracing::error!(error = %format!("{e:#}"), "generation failed");
-                let _ = events.send(GenEvent::Error(format!("{e:#}")));
-            }
+            Ok(Begun::Ready(run)) => running.push(run),
+            Ok(Begun::Prefilling(p)) => *prefilling = Some(p),
+            Err(e) => self.failed(e, &events, &cancel),
         }
         self.gauges();
+    }
+
+    /// Reports a job that failed before decoding (or counts it cancelled).
+    fn failed(&self, e: anyhow::Error, events: &mpsc::UnboundedSender<GenEvent>, cancel: &AtomicBool) {
+        if cancel.load(Ordering::Relaxed) || events.is_closed() {
+            self.metrics.cancelled.inc();
+            tracing::info!(error = %format!("{e:#}"), "a request was cancelled while its prompt was prefilled");
+        } else {
+            tracing::error!(error = %format!("{e:#}"), "generation failed");
+            let _ = events.send(GenEvent::Error(format!("{e:#}")));
+        }
+    }
+
+    /// Starts a job: validation, the held state to continue from, then either the whole
+    /// prefill now, or a [`Prefilling`] for the loop.
+    fn begin<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, q: Queued) -> anyhow::Result<Begun<S>> {
+        anyhow::ensure!(!q.job.prompt.is_empty(), "empty prompt");
+        q.job.sampling.validate().map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
+        let media: Vec<MediaKey> = q.job.images.iter().map(|i| i.key.clone()).collect();
+        if let (true, Some(chunk)) = (q.job.images.is_empty(), engine.prefill_chunk()) {
+            let (session, held) = self.held_state(engine, &q.job.prompt, &media)?;
+            let p = Prefilling { q, media, session, reused: held, done: held, report: PrefillReport::default() };
+            if p.q.job.prompt.len() - held > chunk {
+                return Ok(Begun::Prefilling(p));
+            }
+            let Prefilling { q, media, mut session, .. } = p;
+            let report = if held < q.job.prompt.len() { engine.prefill(&mut session, &q.job.prompt[held..])? } else { PrefillReport::default() };
+            return Ok(Begun::Ready(self.start(engine, q, media, session, held, report)?));
+        }
+        let (session, reused, report) = self.prepare(engine, &q.job.prompt, &q.job.images, &media)?;
+        Ok(Begun::Ready(self.start(engine, q, media, session, reused, report)?))
+    }
+
+    /// Prefills the next chunk of `p`'s prompt; the job joins `running` after its last chunk.
+    /// Returns the job while chunks are left.
+    fn prefill_step<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, mut p: Prefilling<S>, running: &mut Vec<Running<S>>) -> Option<Prefilling<S>> {
+        if p.q.cancelled() {
+            self.metrics.cancelled.inc();
+            tracing::info!(prefilled = p.done - p.reused, of = p.q.job.prompt.len() - p.reused, "a request was cancelled while its prompt was prefilled");
+            return None;
+        }
+        let end = p.q.job.prompt.len().min(p.done + engine.prefill_chunk().unwrap_or(usize::MAX));
+        engine.set_cancel(Some(p.q.cancel.clone()));
+        let r = engine.prefill(&mut p.session, &p.q.job.prompt[p.done..end]);
+        engine.set_cancel(None);
+        match r {
+            Ok(rep) => {
+                p.report.tokens += rep.tokens;
+                p.report.seconds += rep.seconds;
+                p.done = end;
+            }
+            Err(e) => {
+                self.failed(e, &p.q.events, &p.q.cancel);
+                return None;
+            }
+        }
+        if p.done < p.q.job.prompt.len() {
+            return Some(p);
+        }
+        let Prefilling { q, media, session, reused, report, .. } = p;
+        let (events, cancel) = (q.events.clone(), q.cancel.clone());
+        match self.start(engine, q, media, session, reused, report) {
+            Ok(run) => running.push(run),
+            Err(e) => self.failed(e, &events, &cancel),
+        }
+        self.gauges();
+        None
+    }
+
+    /// The best held state to continue `prompt` from (a checkpoint's copy, or a live state
+    /// taken from the store) and the tokens of the prompt it holds; else a new session.
+    fn held_state<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, prompt: &[u32], media: &[MediaKey]) -> anyhow::Result<(S, usize)> {
+        if let Some(i) = self.store.best_match(prompt, media) {
+            let held = self.store.get(i).tokens.len();
+            let session = if self.store.get(i).checkpoint {
+                self.store.touch(i);
+                engine.fork(&mut self.store.get_mut(i).session)?
+            } else {
+                self.store.take(i).session
+            };
+            if held < prompt.len() || engine.logits(&session).is_some() {
+                return Ok((session, held));
+            }
+            tracing::debug!("held state matches the whole prompt but has no logits; prefilling afresh");
+        }
+        Ok((engine.new_session()?, 0))
     }
 
     /// Finds the best held state for the prompt and brings it to the end of the prompt.
@@ -270,41 +377,28 @@ impl<S: 'static> Worker<S> {
         images: &[JobImage],
         media: &[MediaKey],
     ) -> anyhow::Result<(S, usize, PrefillReport)> {
-        // Prefills prompt[from..]: the images whose pad runs lie there go with it (a held state
-        // never ends inside an image run, see SessionStore::best_match).
-        let prefill_from = |engine: &mut E, session: &mut S, from: usize| {
-            let imgs: Vec<&PreprocessedImage> = images.iter().filter(|i| i.key.span.start >= from).map(|i| &i.image).collect();
-            engine.prefill_images(session, &prompt[from..], &imgs)
-        };
-        if let Some(i) = self.store.best_match(prompt, media) {
-            let held = self.store.get(i).tokens.len();
-            let mut session = if self.store.get(i).checkpoint {
-                self.store.touch(i);
-                engine.fork(&mut self.store.get_mut(i).session)?
-            } else {
-                self.store.take(i).session
-            };
-            if held < prompt.len() {
-                let report = prefill_from(engine, &mut session, held)?;
-                return Ok((session, held, report));
-            }
-            if engine.logits(&session).is_some() {
-                return Ok((session, held, PrefillReport::default()));
-            }
-            tracing::debug!("held state matches the whole prompt but has no logits; prefilling afresh");
+        let (mut session, held) = self.held_state(engine, prompt, media)?;
+        if held == prompt.len() {
+            return Ok((session, held, PrefillReport::default()));
         }
-        let mut session = engine.new_session()?;
-        let report = prefill_from(engine, &mut session, 0)?;
-        Ok((session, 0, report))
+        // prompt[held..] with the images whose pad runs lie there (a held state never ends
+        // inside an image run, see SessionStore::best_match)
+        let imgs: Vec<&PreprocessedImage> = images.iter().filter(|i| i.key.span.start >= held).map(|i| &i.image).collect();
+        let report = engine.prefill_images(&mut session, &prompt[held..], &imgs)?;
+        Ok((session, held, report))
     }
 
-    /// Prepares the prompt's state, checkpoints it, and sets up the decode.
-    fn start<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, q: Queued) -> anyhow::Result<Running<S>> {
+    /// The prompt is in `session`: metrics, the `Prefilled` event, the checkpoint, the decode.
+    fn start<E: GenerationEngine<Session = S>>(
+        &mut self,
+        engine: &mut E,
+        q: Queued,
+        media: Vec<MediaKey>,
+        mut session: S,
+        reused: usize,
+        report: PrefillReport,
+    ) -> anyhow::Result<Running<S>> {
         let Queued { job, events, cancel } = q;
-        anyhow::ensure!(!job.prompt.is_empty(), "empty prompt");
-        job.sampling.validate().map_err(|e| anyhow::anyhow!("sampling parameters: {e}"))?;
-        let media: Vec<MediaKey> = job.images.iter().map(|i| i.key.clone()).collect();
-        let (mut session, reused, report) = self.prepare(engine, &job.prompt, &job.images, &media)?;
         drop(job.images);
         self.metrics.reused_tokens.inc_by(reused as u64);
         if report.tokens > 0 {
