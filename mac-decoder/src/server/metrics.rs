@@ -44,7 +44,8 @@ pub struct Metrics {
     pub batch_size: Gauge,
     /// Jobs waiting in the engine's queue.
     pub queued: Gauge,
-    /// Jobs cancelled because their client went away (queued, prefilling or decoding).
+    /// Jobs cancelled by their handler (queued, prefilling or decoding): the client went away,
+    /// or a stop string ended the reply.
     pub cancelled: Counter,
 }
 
@@ -110,7 +111,7 @@ impl Metrics {
             r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
             r.register("decode_batch_size", "Requests decoding together in the last decode step", m.batch_size.clone());
             r.register("queued_requests", "Requests waiting for the engine", m.queued.clone());
-            r.register("cancelled_requests", "Requests cancelled because their client went away", m.cancelled.clone());
+            r.register("cancelled_requests", "Requests cancelled because their client went away or a stop string ended them", m.cancelled.clone());
         }
         // Make the label sets visible from the start.
         for w in ["local", "remote"] {
