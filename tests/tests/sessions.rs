@@ -109,7 +109,7 @@ fn short_turns_stay_local_and_the_next_long_turn_sends_them() {
     conv.generate(&engine, &GenerateParams::greedy(4), |_| true).unwrap();
     let t2 = remote.prefill(&engine, &mut conv, &prompt(42, 10, 1000), None).unwrap();
     assert_eq!(t2.route, Route::Local, "10 tokens are under the threshold of 50");
-    assert!(t2.reason.contains("below the remote threshold"), "{}", t2.reason);
+    assert!(t2.reason.contains("below --remote-min-tokens 50"), "{}", t2.reason);
     conv.generate(&engine, &GenerateParams::greedy(4), |_| true).unwrap();
     let t3 = remote.prefill(&engine, &mut conv, &prompt(43, 60, 1000), None).unwrap();
     assert_eq!(t3.route, Route::Remote, "{}", t3.reason);
