@@ -57,7 +57,7 @@ LAYERS = {
         [""],
     ],
     "cuda-prefiller": [
-        ["backend", "act", "calibrate"],
+        ["backend", "act", "calibrate", "expert_layout"],
         ["model"],
         ["stream_plan"],
         ["cpu", "cuda"],

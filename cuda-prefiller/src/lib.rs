@@ -7,6 +7,7 @@ pub mod cli;
 pub mod cpu;
 pub mod cuda;
 pub mod executor;
+pub mod expert_layout;
 pub mod model;
 pub mod server;
 pub mod stream_plan;

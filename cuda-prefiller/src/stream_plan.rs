@@ -12,16 +12,28 @@
 //!   prompt before the next arrives, so every weight still crosses PCIe once per prompt.
 //!
 //! Offsets inside a slot are 256-byte aligned per dense tensor; the routed experts use the
-//! CUDA backend's [`ExpertLayout`] (the same bytes `load_experts` builds on the host).
+//! arena layout of [`ExpertLayout`] (the same bytes the CUDA backend's `load_experts` builds on the host).
 
 use anyhow::{bail, ensure, Context, Result};
 use k3_protocol::config::{FfnKind, LayerSpec, TextConfig};
 use k3_protocol::tensors::{expert_tensor, DType};
 use k3_protocol::Checkpoint;
 
-use crate::cuda::backend::ExpertLayout;
+use crate::expert_layout::ExpertLayout;
 use crate::model::weights::layer_dense_tensors;
-use crate::streamer::Part;
+
+/// One contiguous piece of weight bytes to move: `len` bytes from the source's `(file, offset)`
+/// (or host address) to byte `dst` of the destination slot.
+#[derive(Debug, Clone)]
+pub struct SlotCopy {
+    /// For errors: the tensor name.
+    pub name: String,
+    /// Index of the source file (shard) or host region.
+    pub src: usize,
+    pub offset: u64,
+    pub len: usize,
+    pub dst: usize,
+}
 
 /// Alignment of every dense tensor inside a slot.
 pub const SLOT_ALIGN: usize = 256;
@@ -281,26 +293,26 @@ impl StreamPlan {
 
     /// Bytes that unit `u` moves.
     pub fn unit_bytes(&self, u: usize) -> usize {
-        self.parts(u).map(|p| p.iter().map(|x| x.len).sum()).unwrap_or(0)
+        self.copies(u).map(|p| p.iter().map(|x| x.len).sum()).unwrap_or(0)
     }
 
-    /// The streamer parts of unit `u`, with destinations relative to its slot.
-    pub fn parts(&self, u: usize) -> Result<Vec<Part>> {
+    /// The copies of unit `u`, with destinations relative to its slot.
+    pub fn copies(&self, u: usize) -> Result<Vec<SlotCopy>> {
         let unit = *self.units.get(u).with_context(|| format!("weight streamer: no unit {u}"))?;
         let img = self.image_of(unit.layer())?;
         let stride = self.expert_layout.map(|l| l.stride).unwrap_or(0);
         let mut parts = Vec::new();
-        let experts = |lo: usize, hi: usize, base: usize, parts: &mut Vec<Part>| {
+        let experts = |lo: usize, hi: usize, base: usize, parts: &mut Vec<SlotCopy>| {
             for (k, e) in img.experts[lo..hi].iter().enumerate() {
                 for p in e {
-                    parts.push(Part { name: p.name.clone(), src: p.shard, offset: p.offset, len: p.bytes, dst: base + k * stride + p.off });
+                    parts.push(SlotCopy { name: p.name.clone(), src: p.shard, offset: p.offset, len: p.bytes, dst: base + k * stride + p.off });
                 }
             }
         };
         match unit {
             Unit::Dense { with_experts, .. } => {
                 for t in &img.tensors {
-                    parts.push(Part { name: t.name.clone(), src: t.shard, offset: t.offset, len: t.bytes, dst: t.off });
+                    parts.push(SlotCopy { name: t.name.clone(), src: t.shard, offset: t.offset, len: t.bytes, dst: t.off });
                 }
                 if with_experts {
                     experts(0, img.experts.len(), img.dense_bytes, &mut parts);
@@ -333,8 +345,8 @@ impl StreamPlan {
 /// Merges consecutive parts that are contiguous both in the source and in the slot (a run of
 /// experts laid out in checkpoint order is then one copy, not six per expert); the merged part is
 /// named by its first and last tensor.
-pub fn coalesce(parts: Vec<Part>) -> Vec<Part> {
-    let mut out: Vec<Part> = Vec::with_capacity(parts.len());
+pub fn coalesce(parts: Vec<SlotCopy>) -> Vec<SlotCopy> {
+    let mut out: Vec<SlotCopy> = Vec::with_capacity(parts.len());
     let mut last_name = String::new();
     let mut merged = 0usize;
     for p in parts {
@@ -362,8 +374,8 @@ pub fn coalesce(parts: Vec<Part>) -> Vec<Part> {
 mod tests {
     use super::*;
 
-    fn part(name: &str, src: usize, offset: u64, len: usize, dst: usize) -> Part {
-        Part { name: name.into(), src, offset, len, dst }
+    fn part(name: &str, src: usize, offset: u64, len: usize, dst: usize) -> SlotCopy {
+        SlotCopy { name: name.into(), src, offset, len, dst }
     }
 
     #[test]

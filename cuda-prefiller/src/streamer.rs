@@ -20,19 +20,7 @@ use k3_protocol::checkpoint::Checkpoint;
 
 use crate::cuda::gpu::Event;
 use crate::cuda::{Gpu, PinnedBuf};
-
-/// One contiguous piece of weight bytes to move: `len` bytes from the source's `(file, offset)`
-/// (or host address) to byte `dst` of the destination slot.
-#[derive(Debug, Clone)]
-pub struct Part {
-    /// For errors: the tensor name.
-    pub name: String,
-    /// Index of the source file (shard) or host region.
-    pub src: usize,
-    pub offset: u64,
-    pub len: usize,
-    pub dst: usize,
-}
+use crate::stream_plan::SlotCopy;
 
 /// Where weight bytes come from.
 pub trait WeightSource: Send + Sync {
@@ -338,7 +326,7 @@ impl WeightStreamer {
     /// `slot_free` (compute done with the slot's old contents). Returns an event recorded on the
     /// copy stream after the last copy: the compute stream waits on it before reading the slot.
     /// Blocks the calling thread only while filling staging buffers.
-    pub fn upload(&mut self, src: &dyn WeightSource, parts: &[Part], dst: CUdeviceptr, slot_free: Option<&Event>) -> Result<(Event, UploadStats)> {
+    pub fn upload(&mut self, src: &dyn WeightSource, parts: &[SlotCopy], dst: CUdeviceptr, slot_free: Option<&Event>) -> Result<(Event, UploadStats)> {
         self.gpu.bind()?;
         let copy = self.gpu.copy_stream();
         if let Some(e) = slot_free {
@@ -717,7 +705,7 @@ fn prefetch(
             }
             let start = gpu.event()?;
             start.record(copy)?;
-            let parts = plan.parts(u)?;
+            let parts = plan.copies(u)?;
             let (ready, stats) = streamer.upload(&*source, &parts, slot_ptr[unit.ring()][plan.slot[u]], None)?;
             Ok(Ready { unit: u, start, ready, stats })
         })()

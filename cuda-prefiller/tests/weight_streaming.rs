@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cuda_prefiller::backend::{Backend, Routing};
 use cuda_prefiller::cpu::{CpuBackend, CpuExperts};
-use cuda_prefiller::cuda::backend::ExpertLayout;
+use cuda_prefiller::expert_layout::ExpertLayout;
 use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, WeightFeed};
 use cuda_prefiller::model::weights::{layer_experts, FfnWeights, LayerWeights};
 use cuda_prefiller::model::{Model, WeightPolicy};
@@ -52,7 +52,7 @@ fn check_bytes(ck: &Checkpoint, p: &StreamPlan) {
     let mut dense_slot_of = vec![None; nl];
     let mut arenas: Vec<Vec<u8>> = (0..nl).map(|l| vec![0u8; p.image_of(l).map(|i| i.experts.len()).unwrap_or(0) * layout.stride]).collect();
     for u in 0..p.units.len() {
-        let parts = p.parts(u).unwrap();
+        let parts = p.copies(u).unwrap();
         let cap = if p.units[u].ring() == 0 { p.dense_slot } else { p.expert_slot };
         let mut slot = vec![0u8; cap];
         let mut used: Vec<(usize, usize)> = Vec::new();

@@ -94,7 +94,14 @@ pub fn run(args: Args) -> Result<()> {
         return super::bench_elementwise::run(&args.tokens, args.reps, args.json);
     }
     if args.kernels {
-        return super::bench_kernels::run(&args);
+        return super::bench_kernels::run(&super::bench_kernels::KernelBench {
+            tokens: &args.tokens,
+            reps: args.reps,
+            experts_only: args.experts_only,
+            kda_only: args.kda_only,
+            mla_only: args.mla_only,
+            moe_dense_configs: &args.moe_dense_configs,
+        });
     }
     let Some(dir) = args.model.clone() else { bail!("bench: give --model DIR (a K3-width model that fits no disk: `k3-prefill synth --preset k3 --layers 3 --out /dev/shm/k3`), or --kernels") };
     let ck = Arc::new(k3_protocol::Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?);
@@ -376,7 +383,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
             crate::cuda::profile::begin(&c.gpu, "-")?;
         }
         let profile = crate::cuda::profile::report()?.into_iter().map(|(n, ms)| (n.to_string(), ms)).collect();
-        let host_blocked = crate::cuda::profile::host_report().into_iter().map(|(w, st, c, ms, by)| (w.to_string(), st.to_string(), c, ms, by)).collect();
+        let host_blocked = crate::cuda::host_wait::host_report().into_iter().map(|(w, st, c, ms, by)| (w.to_string(), st.to_string(), c, ms, by)).collect();
         let layer_fl: Vec<f64> = model.plan.iter().map(|spec| layer_flops(&cfg, spec, t, 0)).collect();
         let flops = nreq as f64 * (layer_fl.iter().sum::<f64>() + 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64);
         let st = st.unwrap_or_default();

@@ -6,7 +6,6 @@ use std::time::Instant;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::bench::Args;
 use crate::backend::Backend;
 use crate::cuda::{CudaBackend, Precision};
 
@@ -70,7 +69,22 @@ fn kda_breakdown(b: &CudaBackend, ins: [&crate::cuda::backend::CudaBuf; 5], t: u
     Ok((p, so, sc))
 }
 
-pub fn run(args: &Args) -> Result<()> {
+/// What `bench --kernels` times (the kernel-mode flags of `k3-prefill bench`).
+pub struct KernelBench<'a> {
+    pub tokens: &'a [usize],
+    /// Timed repetitions (median reported).
+    pub reps: usize,
+    /// Only the routed experts (both BF16 paths).
+    pub experts_only: bool,
+    /// Only the chunked KDA (total, then prep and scan kernels apart).
+    pub kda_only: bool,
+    /// Only the MLA attention kernels.
+    pub mla_only: bool,
+    /// Extra dense-expert settings (each as `K3_MOE_DENSE`).
+    pub moe_dense_configs: &'a [String],
+}
+
+pub fn run(args: &KernelBench) -> Result<()> {
     use crate::backend::KdaDims;
     let mut b = CudaBackend::new(Precision::Bf16)?;
     let g = b.gpu.clone();
@@ -81,9 +95,9 @@ pub fn run(args: &Args) -> Result<()> {
     let rnd = |n: usize, seed: u64, lo: f32, hi: f32| -> Vec<f32> {
         (0..n).map(|i| lo + (hi - lo) * ((((i as u64) ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 24) as f32)).collect()
     };
-    for &t in &args.tokens {
+    for &t in args.tokens {
         if args.experts_only {
-            let moe = moe_bench.time(&mut b, t, args.reps, &args.moe_dense_configs)?;
+            let moe = moe_bench.time(&mut b, t, args.reps, args.moe_dense_configs)?;
             let r = KernelRow { tokens: t, kda_ms: f64::NAN, kda_tflops: f64::NAN, mla_ms: f64::NAN, mla_tflops: f64::NAN, moe };
             println!("{}", serde_json::to_string(&r)?);
             rows.push(r);
@@ -128,7 +142,7 @@ pub fn run(args: &Args) -> Result<()> {
             continue;
         }
         let (mla_ms, mflops) = mla_times(&b, t, args.reps)?;
-        let m = moe_bench.time(&mut b, t, args.reps, &args.moe_dense_configs)?;
+        let m = moe_bench.time(&mut b, t, args.reps, args.moe_dense_configs)?;
         let r = KernelRow {
             tokens: t,
             kda_ms,
@@ -253,7 +267,7 @@ impl Dims {
 /// The routed experts of one K3 layer (896 MXFP4 experts of 3072 x 3584, top-16), all resident.
 struct MoeBench {
     d: Dims,
-    lay: crate::cuda::backend::ExpertLayout,
+    lay: crate::expert_layout::ExpertLayout,
     arena: crate::cuda::DevMem,
 }
 
@@ -264,7 +278,7 @@ impl MoeBench {
                 .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
                 .text_config,
         );
-        let lay = crate::cuda::backend::ExpertLayout::new(d.inter, d.latent)?;
+        let lay = crate::expert_layout::ExpertLayout::new(d.inter, d.latent)?;
         let arena = b.gpu.alloc_sync(lay.stride * d.experts)?;
         // every code 7 (6.0), every scale 2^-8
         unsafe {
@@ -292,7 +306,7 @@ impl MoeBench {
         let eflops = (t * d.top_k) as f64 * 3.0 * 2.0 * (d.inter * d.latent) as f64;
         // GPU time from events; the host's enqueue time is logged (a path bound by launches
         // shows GPU time ~ enqueue time)
-        let timed = |b: &CudaBackend, plan: &crate::cuda::backend::MoePlan| -> Result<(f64, f64)> {
+        let timed = |b: &CudaBackend, plan: &crate::cuda::moe_plan::MoePlan| -> Result<(f64, f64)> {
             let (mut times, mut host) = (Vec::new(), Vec::new());
             for rep in 0..=reps {
                 let e0 = g.event()?;

@@ -21,10 +21,12 @@ use super::blas::{Blas, GemmType};
 use super::gpu::{DevMem, Gpu};
 use super::kernels as k;
 use super::moe_dense::{self, MoeDenseCfg, MoePath};
+use super::moe_plan::MoePlan;
 use super::profile;
 use crate::backend::{
     Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
+use crate::expert_layout::ExpertLayout;
 
 /// In BF16 mode, f32-weight GEMMs (the router) of at least this many rows run as six BF16
 /// part products (FP32 grade, tensor cores); shorter ones on IEEE fp32 cuBLAS.
@@ -89,113 +91,11 @@ impl CudaWeight {
     }
 }
 
-/// Byte layout of one expert inside an expert arena (all offsets 16-byte aligned).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ExpertLayout {
-    /// `moe_intermediate_size`.
-    pub inter: usize,
-    /// `routed_expert_hidden_size` (latent width).
-    pub latent: usize,
-    pub w1: k::MatOff,
-    pub w3: k::MatOff,
-    pub w2: k::MatOff,
-    /// Bytes per expert slot.
-    pub stride: usize,
-}
-
-impl PartialEq for k::MatOff {
-    fn eq(&self, o: &Self) -> bool {
-        self.packed == o.packed && self.scale == o.scale
-    }
-}
-impl Eq for k::MatOff {}
-
-fn align(x: usize, a: usize) -> usize {
-    x.div_ceil(a) * a
-}
-
-impl ExpertLayout {
-    pub fn new(inter: usize, latent: usize) -> Result<Self> {
-        ensure!(inter % 32 == 0 && latent % 32 == 0, "expert widths {inter}/{latent} must be multiples of 32 (MXFP4 groups)");
-        let up = inter * latent / 2; // packed bytes of one [inter, latent] matrix
-        let us = inter * latent / 32;
-        let mut off = 0;
-        let mut next = |n: usize| {
-            let o = off;
-            off = align(off + n, 16);
-            o
-        };
-        // checkpoint order (w1, w2, w3; each packed then scale), so that a run of experts is one
-        // contiguous range in both the shard and the slot arena (one copy instead of six per expert)
-        let w1 = k::MatOff { packed: next(up), scale: next(us) };
-        let w2 = k::MatOff { packed: next(up), scale: next(us) };
-        let w3 = k::MatOff { packed: next(up), scale: next(us) };
-        Ok(ExpertLayout { inter, latent, w1, w3, w2, stride: align(off, 256) })
-    }
-
-    /// The (name, byte offset in slot, bytes) of the six tensors of an expert, in checkpoint order.
-    pub fn parts(&self) -> [(&'static str, &'static str, usize, usize); 6] {
-        let up = self.inter * self.latent / 2;
-        let us = self.inter * self.latent / 32;
-        [
-            ("w1", "weight_packed", self.w1.packed, up),
-            ("w1", "weight_scale", self.w1.scale, us),
-            ("w2", "weight_packed", self.w2.packed, up),
-            ("w2", "weight_scale", self.w2.scale, us),
-            ("w3", "weight_packed", self.w3.packed, up),
-            ("w3", "weight_scale", self.w3.scale, us),
-        ]
-    }
-
-    /// Writes one expert's six tensors into `slot` (at least `stride` bytes).
-    pub fn fill_slot(&self, e: &ExpertHostWeights<'_>, slot: &mut [u8]) -> Result<()> {
-        let mats = [(&e.w1, self.inter, self.latent, self.w1), (&e.w3, self.inter, self.latent, self.w3), (&e.w2, self.latent, self.inter, self.w2)];
-        for (w, out_f, in_f, off) in mats {
-            ensure!(
-                w.out_features == out_f && w.in_features == in_f,
-                "expert weight [{}, {}] does not match the layer's [{out_f}, {in_f}]",
-                w.out_features,
-                w.in_features
-            );
-            slot[off.packed..off.packed + w.packed.len()].copy_from_slice(w.packed);
-            slot[off.scale..off.scale + w.scale.len()].copy_from_slice(w.scale);
-        }
-        Ok(())
-    }
-}
-
 /// One MoE layer's routed experts, resident: `n` slots of `layout.stride` bytes.
 pub struct CudaExperts {
     pub arena: DevMem,
     pub n: usize,
     pub layout: ExpertLayout,
-}
-
-/// Device-side grouping of routed rows by expert (reused across expert chunks).
-pub struct MoePlan {
-    pub t: usize,
-    pub k: usize,
-    pub e: usize,
-    pub bm: usize,
-    pub max_tiles: usize,
-    pub offsets: DevMem,
-    pub tile_expert: DevMem,
-    pub tile_row0: DevMem,
-    pub tile_count: DevMem,
-    pub slot_pos: DevMem,
-    pub row_token: DevMem,
-    /// Grouped inputs `[t*k, latent]` (bf16 or f32), intermediate `[t*k, inter]` (mma.sync
-    /// kernels only: a stub on the dense path), outputs `[t*k, latent]` f32.
-    pub xg: DevMem,
-    pub hg: DevMem,
-    /// Bytes of one row of `hg`.
-    pub hg_row_bytes: usize,
-    pub yg: DevMem,
-    pub weights: DevMem,
-    /// Runs on the dense path (BF16 dequantisation + cuBLAS) instead of the mma.sync kernel.
-    pub dense: bool,
-    /// Host copy of `offsets` (the dense path sizes its GEMMs from it).
-    pub host_offsets: Option<Vec<i32>>,
 }
 
 /// Which parts of the computation run in BF16 ([`Precision::Bf16`] turns all on; the
@@ -435,7 +335,7 @@ impl CudaBackend {
         stream: Option<cudarc::driver::sys::CUstream>,
     ) -> Result<()> {
         if plan.dense {
-            return moe_dense::run(self, plan, layout, wbase, e_lo, e_hi, betas, stream);
+            return moe_dense::run(&self.gpu, self.moe_dense, &*self.moe_workers()?, plan, layout, wbase, e_lo, e_hi, betas, stream);
         }
         let b2 = betas.linear_beta.unwrap_or(0.0);
         let bf = self.bf16();

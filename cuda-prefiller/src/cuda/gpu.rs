@@ -171,7 +171,7 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         // SAFETY: valid stream handle.
         unsafe { ck(sys::cuStreamSynchronize(self.streams.compute), "synchronize compute stream")? };
-        super::profile::host_blocked("compute stream synchronisation", 0, t0.elapsed());
+        super::host_wait::host_blocked("compute stream synchronisation", 0, t0.elapsed());
         Ok(())
     }
 
@@ -342,7 +342,7 @@ impl Gpu {
                 }
             }
         }
-        super::profile::host_blocked("host-to-device copy", n, t0.elapsed());
+        super::host_wait::host_blocked("host-to-device copy", n, t0.elapsed());
         Ok(())
     }
 
@@ -384,7 +384,7 @@ impl Gpu {
                 }
             }
         }
-        super::profile::host_blocked("device-to-host copy", n, t0.elapsed());
+        super::host_wait::host_blocked("device-to-host copy", n, t0.elapsed());
         Ok(())
     }
 

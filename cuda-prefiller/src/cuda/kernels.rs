@@ -7,6 +7,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use std::sync::Arc;
 
 use super::gpu::{blocks, DevMem, Gpu, KArgs};
+use crate::expert_layout::MatOff;
 
 type P = CUdeviceptr;
 
@@ -739,13 +740,6 @@ pub fn moe_combine(gpu: &Gpu, yg: P, slot_pos: P, w: P, t: usize, k: usize, n: u
     let f = gpu.func("moe_route", &[], "moe_combine")?;
     let mut a = KArgs::new().arg(yg).arg(slot_pos).arg(w).arg(t as i32).arg(k as i32).arg(n as i32).arg(out);
     gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "moe_combine")
-}
-
-/// Where one matrix of an expert sits inside an expert's arena slot.
-#[derive(Debug, Clone, Copy)]
-pub struct MatOff {
-    pub packed: usize,
-    pub scale: usize,
 }
 
 /// Row-tile height of the grouped expert GEMMs (f32 / bf16 kernels).

@@ -9,8 +9,10 @@
 pub mod backend;
 pub mod blas;
 pub mod gpu;
+pub mod host_wait;
 pub mod kernels;
 pub mod moe_dense;
+pub mod moe_plan;
 pub mod nvrtc;
 pub mod profile;
 

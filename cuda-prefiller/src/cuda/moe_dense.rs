@@ -13,14 +13,17 @@
 //! docs/cuda.md).
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+use std::sync::Arc;
+
 use anyhow::{anyhow, ensure, Result};
 use cudarc::driver::sys::{self, CUdeviceptr, CUstream};
 
-use super::backend::{CudaBackend, ExpertLayout, MoePlan};
 use super::blas::{Blas, GemmType};
 use super::gpu::{ck, DevMem, Event, Gpu};
 use super::kernels as k;
+use super::moe_plan::MoePlan;
 use crate::backend::SituBetas;
+use crate::expert_layout::ExpertLayout;
 
 /// Which expert implementation runs in BF16 mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,14 +158,14 @@ pub fn dequant(gpu: &Gpu, stream: CUstream, layout: &ExpertLayout, wbase: CUdevi
 /// Both expert GEMMs of experts `e_lo..e_hi` (slot 0 at `wbase` = expert `e_lo`) on the dense
 /// path, ordered after earlier work of `stream` and before later work of it.
 #[allow(clippy::too_many_arguments)]
-pub fn run(b: &CudaBackend, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
-    run_many(b, &[plan], layout, wbase, e_lo, e_hi, betas, stream)
+pub fn run(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+    run_many(g, cfg, workers, &[plan], layout, wbase, e_lo, e_hi, betas, stream)
 }
 
 /// [`run`] for several plans over the same experts (the token chunks of one layer): each expert
 /// group is dequantised once and multiplied with the rows of every plan.
 #[allow(clippy::too_many_arguments)]
-pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&MoePlan], layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
     let mut offs = Vec::with_capacity(plans.len());
     for p in plans {
         let o = p.host_offsets.as_ref().ok_or_else(|| anyhow!("dense expert path: the plan holds no host copy of the expert offsets"))?;
@@ -173,9 +176,6 @@ pub fn run_many(b: &CudaBackend, plans: &[&MoePlan], layout: &ExpertLayout, wbas
     if (0..plans.len()).all(|pi| (e_lo..e_hi).all(|e| rows_of(pi, e) == 0)) {
         return Ok(());
     }
-    let g = &b.gpu;
-    let cfg = b.moe_dense;
-    let workers = b.moe_workers()?;
     let nw = workers.len();
     let s = stream.unwrap_or(g.stream());
     let (inter, lat) = (layout.inter, layout.latent);
