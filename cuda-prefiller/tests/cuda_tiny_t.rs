@@ -73,7 +73,7 @@ fn check(name: &str, be: CudaBackend, max_delta_pct: f64, min_top1: f64, greedy_
     let m = model(be);
     let a = Agreement::new(name, &scores(&m, held.sequence(PPL_TOKENS)), &r.0);
     eprintln!("{a}");
-    let mut failures: Vec<String> = a.check(max_delta_pct, min_top1).err().into_iter().collect();
+    let mut failures: Vec<String> = a.check(max_delta_pct, min_top1).err().map(|e| e.to_string()).into_iter().collect();
     let mut diverged = 0;
     for (i, p) in held.prompts(PROMPTS, PROMPT_TOKENS).iter().enumerate() {
         let g = greedy(&m, p);

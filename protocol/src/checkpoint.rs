@@ -10,7 +10,7 @@ use memmap2::Mmap;
 use serde::Deserialize;
 
 use crate::config::{ConfigError, K3Config};
-use crate::mxfp4::Mxfp4Weight;
+use crate::mxfp4::{Mxfp4Error, Mxfp4Weight};
 use crate::tensors::{all_tensors, expert_tensor, DType};
 
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +27,10 @@ pub enum CheckpointError {
     Invalid { dir: String, problems: Vec<String> },
     #[error("tensor {name}: {msg}")]
     Tensor { name: String, msg: String },
+    #[error("tensor {name}: {source}")]
+    Mxfp4 { name: String, source: Mxfp4Error },
+    #[error("tensor layer {layer}: {source}")]
+    Layer { layer: usize, source: std::sync::Arc<CheckpointError> },
 }
 
 /// Where one tensor lives.
@@ -338,9 +342,8 @@ impl Checkpoint {
                 msg: format!("shape {:?} in {} is not 2-D [out, in/2]", packed.shape, packed.shard),
             });
         };
-        Mxfp4Weight::new(packed.bytes, scale.bytes, *out, half * 2).map_err(|msg| {
-            CheckpointError::Tensor { name: packed.name.to_string(), msg }
-        })
+        Mxfp4Weight::new(packed.bytes, scale.bytes, *out, half * 2)
+            .map_err(|source| CheckpointError::Mxfp4 { name: packed.name.to_string(), source })
     }
 
     /// Sum of the byte sizes of all tensors.

@@ -13,6 +13,30 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+/// Why logits could not be scored, or why an engine is outside its agreement bounds.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EvalError {
+    #[error("{logits} logits for {targets} targets of a {vocab}-token vocabulary")]
+    Shape { logits: usize, targets: usize, vocab: usize },
+    #[error("target {target} outside a {vocab}-token row")]
+    TargetOutOfRange { target: u32, vocab: usize },
+    #[error("non-finite logit {value} at id {id}")]
+    NonFinite { id: usize, value: f32 },
+    #[error("row {row}: {source}")]
+    Row { row: usize, source: Box<EvalError> },
+    #[error(
+        "{}: perplexity {:.4} vs reference {:.4} (Δ {:+.4} %, bound ±{max_delta_pct} %), top-1 agreement {:.2} % (bound ≥ {:.2} %) over {} positions",
+        agreement.engine,
+        agreement.ppl,
+        agreement.reference_ppl,
+        agreement.delta_ppl_pct,
+        agreement.top1 * 100.0,
+        min_top1 * 100.0,
+        agreement.positions
+    )]
+    OutOfBounds { agreement: Box<Agreement>, max_delta_pct: f64, min_top1: f64 },
+}
+
 /// Natural-log loss and argmax of each position of one engine's logits on a token sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Scores {
@@ -26,24 +50,24 @@ impl Scores {
     /// `logits`: `targets.len()` rows of `vocab` values, row-major; row `i` is the prediction
     /// for `targets[i]`. Fails (naming the row) on a non-finite value, a length mismatch or a
     /// target outside the vocabulary.
-    pub fn from_logits(logits: &[f32], vocab: usize, targets: &[u32]) -> Result<Scores, String> {
+    pub fn from_logits(logits: &[f32], vocab: usize, targets: &[u32]) -> Result<Scores, EvalError> {
         if vocab == 0 || logits.len() != vocab * targets.len() {
-            return Err(format!("{} logits for {} targets of a {vocab}-token vocabulary", logits.len(), targets.len()));
+            return Err(EvalError::Shape { logits: logits.len(), targets: targets.len(), vocab });
         }
         let mut s = Scores { nll: Vec::with_capacity(targets.len()), top1: Vec::with_capacity(targets.len()) };
         for (i, (row, &t)) in logits.chunks_exact(vocab).zip(targets).enumerate() {
-            s.push(row, t).map_err(|e| format!("row {i}: {e}"))?;
+            s.push(row, t).map_err(|e| EvalError::Row { row: i, source: Box::new(e) })?;
         }
         Ok(s)
     }
 
     /// Appends one position: the logits row predicting `target`.
-    pub fn push(&mut self, row: &[f32], target: u32) -> Result<(), String> {
+    pub fn push(&mut self, row: &[f32], target: u32) -> Result<(), EvalError> {
         if target as usize >= row.len() {
-            return Err(format!("target {target} outside a {}-token row", row.len()));
+            return Err(EvalError::TargetOutOfRange { target, vocab: row.len() });
         }
         if let Some(j) = row.iter().position(|x| !x.is_finite()) {
-            return Err(format!("non-finite logit {} at id {j}", row[j]));
+            return Err(EvalError::NonFinite { id: j, value: row[j] });
         }
         self.nll.push(logsumexp(row) - row[target as usize] as f64);
         self.top1.push(argmax(row));
@@ -144,20 +168,11 @@ impl Agreement {
 
     /// `Err` naming the engine and the numbers when `|Δppl| > max_delta_pct` or the top-1
     /// agreement is below `min_top1`.
-    pub fn check(&self, max_delta_pct: f64, min_top1: f64) -> Result<(), String> {
+    pub fn check(&self, max_delta_pct: f64, min_top1: f64) -> Result<(), EvalError> {
         if self.delta_ppl_pct.abs() <= max_delta_pct && self.top1 >= min_top1 {
             Ok(())
         } else {
-            Err(format!(
-                "{}: perplexity {:.4} vs reference {:.4} (Δ {:+.4} %, bound ±{max_delta_pct} %), top-1 agreement {:.2} % (bound ≥ {:.2} %) over {} positions",
-                self.engine,
-                self.ppl,
-                self.reference_ppl,
-                self.delta_ppl_pct,
-                self.top1 * 100.0,
-                min_top1 * 100.0,
-                self.positions
-            ))
+            Err(EvalError::OutOfBounds { agreement: Box::new(self.clone()), max_delta_pct, min_top1 })
         }
     }
 
@@ -283,7 +298,7 @@ mod tests {
         let p0 = 2f64.exp() / (2.0 + 2f64.exp());
         assert!((s.nll[0] + p0.ln()).abs() < 1e-12);
         assert_eq!(s.top1, vec![2, 0]);
-        assert!(Scores::from_logits(&[0.0, f32::NAN], 2, &[0]).unwrap_err().contains("row 0"));
+        assert!(Scores::from_logits(&[0.0, f32::NAN], 2, &[0]).unwrap_err().to_string().contains("row 0"));
         assert!(Scores::from_logits(&[0.0, 1.0], 2, &[2]).is_err());
         assert!(Scores::from_logits(&[0.0; 3], 2, &[0]).is_err());
     }
@@ -296,8 +311,8 @@ mod tests {
         assert!((a.delta_ppl_pct - ((0.001f64).exp() - 1.0) * 100.0).abs() < 1e-9);
         assert_eq!(a.top1, 0.75);
         assert!(a.check(0.2, 0.75).is_ok());
-        assert!(a.check(0.05, 0.0).unwrap_err().contains("x: perplexity"));
-        assert!(a.check(1.0, 0.98).unwrap_err().contains("75.00 %"));
+        assert!(a.check(0.05, 0.0).unwrap_err().to_string().contains("x: perplexity"));
+        assert!(a.check(1.0, 0.98).unwrap_err().to_string().contains("75.00 %"));
         assert!(a.to_string().starts_with("| x | 4 |"));
     }
 

@@ -137,7 +137,7 @@ const PROGRESS_FROM_BYTES: u64 = 256 << 20;
 pub(crate) struct IdentityCache {
     digest: OnceLock<WeightDigest>,
     /// `Some(result)` once a layer was verified in this process.
-    layers: std::sync::Mutex<HashMap<usize, Result<(), String>>>,
+    layers: std::sync::Mutex<HashMap<usize, Result<(), std::sync::Arc<CheckpointError>>>>,
 }
 
 fn stamp(path: &Path, name: &str) -> Option<ShardStamp> {
@@ -325,13 +325,13 @@ impl Checkpoint {
     /// asked for in this process (later calls return the first answer at once).
     pub fn verify_layer(&self, layer: usize) -> Result<(), CheckpointError> {
         if let Some(r) = self.identity().layers.lock().expect("not poisoned").get(&layer) {
-            return r.clone().map_err(|msg| CheckpointError::Tensor { name: format!("layer {layer}"), msg });
+            return r.clone().map_err(|source| CheckpointError::Layer { layer, source });
         }
         let prefix = crate::tensors::layer_tensor(layer, "");
         let names: Vec<&str> = self.tensor_names().filter(|n| n.starts_with(&prefix)).collect();
-        let r = names.par_iter().try_for_each(|n| self.verify_tensor(n)).map_err(|e| e.to_string());
+        let r = names.par_iter().try_for_each(|n| self.verify_tensor(n)).map_err(std::sync::Arc::new);
         self.identity().layers.lock().expect("not poisoned").insert(layer, r.clone());
-        r.map_err(|msg| CheckpointError::Tensor { name: format!("layer {layer}"), msg })
+        r.map_err(|source| CheckpointError::Layer { layer, source })
     }
 
     /// Checks every tensor against the digest (`k3-prefill inspect --verify`).

@@ -32,6 +32,17 @@ pub fn e8m0(e: u8) -> f32 {
     }
 }
 
+/// Why packed bytes and scales do not form an MXFP4 weight of the given shape.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Mxfp4Error {
+    #[error("in_features {in_features} is not a multiple of the MXFP4 group {GROUP}")]
+    Ungrouped { in_features: usize },
+    #[error("packed data is {got} bytes, expected {want} for [{out_features}, {in_features}]")]
+    PackedLength { got: usize, want: usize, out_features: usize, in_features: usize },
+    #[error("scale data is {got} bytes, expected {want} for [{out_features}, {in_features}]")]
+    ScaleLength { got: usize, want: usize, out_features: usize, in_features: usize },
+}
+
 /// A zero-copy view of one MXFP4 weight `[out, in]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Mxfp4Weight<'a> {
@@ -42,23 +53,17 @@ pub struct Mxfp4Weight<'a> {
 }
 
 impl<'a> Mxfp4Weight<'a> {
-    pub fn new(packed: &'a [u8], scale: &'a [u8], out_features: usize, in_features: usize) -> Result<Self, String> {
+    pub fn new(packed: &'a [u8], scale: &'a [u8], out_features: usize, in_features: usize) -> Result<Self, Mxfp4Error> {
         if in_features % GROUP != 0 {
-            return Err(format!("in_features {in_features} is not a multiple of the MXFP4 group {GROUP}"));
+            return Err(Mxfp4Error::Ungrouped { in_features });
         }
         if packed.len() != out_features * in_features / 2 {
-            return Err(format!(
-                "packed data is {} bytes, expected {} for [{out_features}, {in_features}]",
-                packed.len(),
-                out_features * in_features / 2
-            ));
+            let want = out_features * in_features / 2;
+            return Err(Mxfp4Error::PackedLength { got: packed.len(), want, out_features, in_features });
         }
         if scale.len() != out_features * in_features / GROUP {
-            return Err(format!(
-                "scale data is {} bytes, expected {} for [{out_features}, {in_features}]",
-                scale.len(),
-                out_features * in_features / GROUP
-            ));
+            let want = out_features * in_features / GROUP;
+            return Err(Mxfp4Error::ScaleLength { got: scale.len(), want, out_features, in_features });
         }
         Ok(Self { packed, scale, out_features, in_features })
     }

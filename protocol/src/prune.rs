@@ -42,6 +42,8 @@ pub enum PruneError {
     Stats { path: String, msg: String },
     #[error("{0}")]
     Invalid(String),
+    #[error("unknown criterion {0:?} (expected reap, frequency or random)")]
+    UnknownCriterion(String),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PruneError + '_ {
@@ -267,13 +269,13 @@ pub enum Criterion {
 }
 
 impl std::str::FromStr for Criterion {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = PruneError;
+    fn from_str(s: &str) -> Result<Self, PruneError> {
         match s {
             "reap" => Ok(Criterion::Reap),
             "frequency" => Ok(Criterion::Frequency),
             "random" => Ok(Criterion::Random),
-            _ => Err(format!("unknown criterion {s:?} (expected reap, frequency or random)")),
+            _ => Err(PruneError::UnknownCriterion(s.to_string())),
         }
     }
 }

@@ -179,7 +179,7 @@ fn agreement_table(rows: &[(Agreement, f64, f64)]) {
     for (a, _, _) in rows {
         eprintln!("{a}");
     }
-    let failures: Vec<String> = rows.iter().filter_map(|(a, d, t)| a.check(*d, *t).err()).collect();
+    let failures: Vec<String> = rows.iter().filter_map(|(a, d, t)| a.check(*d, *t).err().map(|e| e.to_string())).collect();
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -13,6 +13,10 @@ pub enum SynthError {
     Io { path: String, source: std::io::Error },
     #[error("{0}")]
     Invalid(String),
+    #[error("unknown preset {0:?} (expected tiny, small, medium or k3)")]
+    UnknownPreset(String),
+    #[error("vocab_size {vocab} is too small: it needs 256 single-byte tokens plus {slots} special slots")]
+    VocabTooSmall { vocab: usize, slots: usize },
 }
 
 impl SynthError {

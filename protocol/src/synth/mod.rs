@@ -85,7 +85,7 @@ impl SynthOptions {
 
     /// The validated config these options describe.
     pub fn config(&self) -> Result<K3Config, SynthError> {
-        let cfg = build_config(self.preset, &self.overrides).map_err(SynthError::Invalid)?;
+        let cfg = build_config(self.preset, &self.overrides)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use crate::config::{K3Config, LinearAttnConfig, QuantGroup, QuantWeights, QuantizationConfig, TextConfig, VisionConfig};
 
 use super::tokenizer::SpecialTokens;
+use super::SynthError;
 
 /// A named starting configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,12 +38,12 @@ impl Preset {
 }
 
 impl std::str::FromStr for Preset {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = SynthError;
+    fn from_str(s: &str) -> Result<Self, SynthError> {
         Preset::ALL
             .into_iter()
             .find(|p| p.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("unknown preset {s:?} (expected tiny, small, medium or k3)"))
+            .ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
     }
 }
 
@@ -257,7 +258,7 @@ pub fn release_quantization_config() -> QuantizationConfig {
 }
 
 /// The typed config of a preset with overrides applied (not yet validated).
-pub fn build_config(preset: Preset, o: &Overrides) -> Result<K3Config, String> {
+pub fn build_config(preset: Preset, o: &Overrides) -> Result<K3Config, SynthError> {
     let d = dims(preset);
     let pick = |x: Option<usize>, dflt: usize| x.unwrap_or(dflt);
     let layers = pick(o.layers, d.layers);

@@ -24,6 +24,7 @@ use std::path::Path;
 
 use super::corpus::CORPUS;
 use super::rng::Rng;
+use super::SynthError;
 
 /// Vocabularies at least this large use the release's 256-slot special block.
 pub const RELEASE_LAYOUT_MIN_VOCAB: usize = 2048;
@@ -80,16 +81,14 @@ pub struct SpecialTokens {
 }
 
 impl SpecialTokens {
-    pub fn for_vocab(vocab: usize) -> Result<Self, String> {
+    pub fn for_vocab(vocab: usize) -> Result<Self, SynthError> {
         let (slots, table): (usize, &[(u32, &str, bool)]) = if vocab >= RELEASE_LAYOUT_MIN_VOCAB {
             (256, &RELEASE_SPECIALS)
         } else {
             (24, &COMPACT_SPECIALS)
         };
         if vocab < 256 + slots || vocab > u32::MAX as usize {
-            return Err(format!(
-                "vocab_size {vocab} is too small: it needs 256 single-byte tokens plus {slots} special slots"
-            ));
+            return Err(SynthError::VocabTooSmall { vocab, slots });
         }
         let base = (vocab - slots) as u32;
         Ok(SpecialTokens { base, vocab: vocab as u32, named: table.iter().map(|&(o, n, s)| (base + o, n, s)).collect() })
@@ -300,8 +299,8 @@ pub fn tokenizer_config_json(sp: &SpecialTokens, max_len: usize) -> serde_json::
 }
 
 /// Writes `tiktoken.model` and `tokenizer_config.json` for a vocabulary of `vocab` ids.
-pub fn write_tokenizer(dir: &Path, vocab: usize, max_len: usize) -> Result<SpecialTokens, super::SynthError> {
-    let sp = SpecialTokens::for_vocab(vocab).map_err(super::SynthError::Invalid)?;
+pub fn write_tokenizer(dir: &Path, vocab: usize, max_len: usize) -> Result<SpecialTokens, SynthError> {
+    let sp = SpecialTokens::for_vocab(vocab)?;
     let ranks = bpe_ranks(sp.base as usize);
     super::error::write_file(&dir.join("tiktoken.model"), tiktoken_model_text(&ranks).as_bytes())?;
     let cfg = serde_json::to_string_pretty(&tokenizer_config_json(&sp, max_len)).expect("JSON value serialises");

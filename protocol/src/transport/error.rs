@@ -41,6 +41,8 @@ pub enum TransferError {
     Cancelled(String),
     #[error("--insecure-dev works on loopback only, and {0} is not a loopback address")]
     InsecureNotLoopback(SocketAddr),
+    #[error("send_layer: layer {layer}: {source}")]
+    LayerState { layer: usize, source: WireError },
     #[error("node identity: {0}")]
     Identity(String),
     #[error("{0}")]

@@ -37,7 +37,7 @@ use crate::transport::PeerInfo;
 use crate::wire::chunker::{chunk_payload, clamp_chunk_bytes, plan_layer, ChunkSpec};
 use crate::wire::frame::{ChunkHeader, CHUNK_HEADER_LEN, FRAME_HEADER_LEN};
 use crate::wire::{
-    Accepted, Done, ErrorCode, ErrorMsg, HelloAck, Message, PrefillRequest, Progress, StateDtype, StateLayout, Timing,
+    Accepted, Done, ErrorCode, ErrorMsg, HelloAck, Message, PrefillRequest, Progress, StateDtype, StateLayout, Timing, WireError,
     PROTOCOL_VERSION,
 };
 
@@ -431,7 +431,8 @@ impl PrefillConnection {
             }
             Err(_) => return Err(TransferError::Stalled { peer, what: "request".into(), secs: t.as_secs_f64() }),
         };
-        if let Err(reason) = validate_request(&request) {
+        if let Err(e) = validate_request(&request) {
+            let reason = e.to_string();
             reply_error(&mut send, peer, ErrorCode::InvalidRequest, &reason).await;
             return Err(TransferError::Protocol { peer, reason });
         }
@@ -451,23 +452,23 @@ impl PrefillConnection {
     }
 }
 
-fn validate_request(r: &PrefillRequest) -> Result<(), String> {
+fn validate_request(r: &PrefillRequest) -> Result<(), WireError> {
     if let Some(im) = &r.image_embeddings {
         let want = im.positions.len() as u64 * im.width as u64;
         if im.rows.len() as u64 != want {
-            return Err(format!(
-                "image embeddings hold {} values, {} positions × width {} need {want}",
-                im.rows.len(),
-                im.positions.len(),
-                im.width
-            ));
+            return Err(WireError::ImageEmbeddingSize {
+                values: im.rows.len(),
+                positions: im.positions.len(),
+                width: im.width,
+                want,
+            });
         }
-        if let Some(p) = im.positions.iter().find(|p| **p as usize >= r.tokens.len()) {
-            return Err(format!("image embedding position {p} is past the {} new tokens", r.tokens.len()));
+        if let Some(&position) = im.positions.iter().find(|p| **p as usize >= r.tokens.len()) {
+            return Err(WireError::ImageEmbeddingPosition { position, tokens: r.tokens.len() });
         }
     }
     if r.options.streams == 0 {
-        return Err("options.streams is 0".into());
+        return Err(WireError::NoStreams);
     }
     Ok(())
 }
@@ -862,7 +863,7 @@ impl LayerSender {
         if self.sent[layer] {
             return Err(TransferError::Local(format!("send_layer: layer {layer} was already sent")));
         }
-        ly.check_state(&state).map_err(|m| TransferError::Local(format!("send_layer: layer {layer}: {m}")))?;
+        ly.check_state(&state).map_err(|source| TransferError::LayerState { layer, source })?;
         self.sent[layer] = true;
         for spec in plan_layer(layer as u32, &ly, self.chunk_bytes) {
             let seq = self.seq;

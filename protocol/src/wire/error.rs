@@ -43,4 +43,20 @@ pub enum WireError {
     TotalsMismatch { what: &'static str, said: u64, got: u64 },
     #[error("bad state layout: {0}")]
     Layout(String),
+    #[error("KDA {part} holds {got} values, the layout wants {want}")]
+    KdaPartLength { part: Part, got: usize, want: u64 },
+    #[error("KDA heads×head_dim {heads}×{head_dim}, the layout wants {want_heads}×{want_head_dim}")]
+    KdaHeads { heads: usize, head_dim: usize, want_heads: u32, want_head_dim: u32 },
+    #[error("MLA latent holds {values} values of width {width}, the layout wants {want_rows} rows × {want_width}")]
+    MlaLatent { values: usize, width: usize, want_rows: u64, want_width: u32 },
+    #[error("an MLA state for a KDA layer")]
+    MlaStateForKdaLayer,
+    #[error("a KDA state for an MLA layer")]
+    KdaStateForMlaLayer,
+    #[error("image embeddings hold {values} values, {positions} positions × width {width} need {want}")]
+    ImageEmbeddingSize { values: usize, positions: usize, width: u32, want: u64 },
+    #[error("image embedding position {position} is past the {tokens} new tokens")]
+    ImageEmbeddingPosition { position: u32, tokens: usize },
+    #[error("options.streams is 0")]
+    NoStreams,
 }

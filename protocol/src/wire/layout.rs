@@ -71,7 +71,7 @@ impl LayerLayout {
     }
 
     /// Checks that `st` has exactly this layout, naming the first difference.
-    pub fn check_state(&self, st: &LayerState) -> Result<(), String> {
+    pub fn check_state(&self, st: &LayerState) -> Result<(), WireError> {
         match (self, st) {
             (LayerLayout::Kda { .. }, LayerState::Kda(k)) => {
                 for (part, v) in [
@@ -82,31 +82,34 @@ impl LayerLayout {
                 ] {
                     let want = self.part_len(part).unwrap_or(u64::MAX);
                     if v.len() as u64 != want {
-                        return Err(format!("KDA {part} holds {} values, the layout wants {want}", v.len()));
+                        return Err(WireError::KdaPartLength { part, got: v.len(), want });
                     }
                 }
                 if let LayerLayout::Kda { heads, head_dim, .. } = *self {
                     if k.heads != heads as usize || k.head_dim != head_dim as usize {
-                        return Err(format!(
-                            "KDA heads×head_dim {}×{}, the layout wants {heads}×{head_dim}",
-                            k.heads, k.head_dim
-                        ));
+                        return Err(WireError::KdaHeads {
+                            heads: k.heads,
+                            head_dim: k.head_dim,
+                            want_heads: heads,
+                            want_head_dim: head_dim,
+                        });
                     }
                 }
                 Ok(())
             }
             (LayerLayout::Mla { width, rows }, LayerState::Mla(m)) => {
                 if m.width != *width as usize || m.latent.len() as u64 != rows.saturating_mul(*width as u64) {
-                    return Err(format!(
-                        "MLA latent holds {} values of width {}, the layout wants {rows} rows × {width}",
-                        m.latent.len(),
-                        m.width
-                    ));
+                    return Err(WireError::MlaLatent {
+                        values: m.latent.len(),
+                        width: m.width,
+                        want_rows: *rows,
+                        want_width: *width,
+                    });
                 }
                 Ok(())
             }
-            (LayerLayout::Kda { .. }, LayerState::Mla(_)) => Err("an MLA state for a KDA layer".into()),
-            (LayerLayout::Mla { .. }, LayerState::Kda(_)) => Err("a KDA state for an MLA layer".into()),
+            (LayerLayout::Kda { .. }, LayerState::Mla(_)) => Err(WireError::MlaStateForKdaLayer),
+            (LayerLayout::Mla { .. }, LayerState::Kda(_)) => Err(WireError::KdaStateForMlaLayer),
         }
     }
 
