@@ -337,11 +337,11 @@ mod tests {
         /// Allows only odd ids.
         struct Odd(Vec<u32>);
         impl TokenConstraint for Odd {
-            fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+            fn mask(&mut self, logits: &mut [f32]) -> Result<(), crate::sampler::SamplingError> {
                 logits.iter_mut().step_by(2).for_each(|x| *x = f32::NEG_INFINITY);
                 Ok(())
             }
-            fn commit(&mut self, token: u32) -> Result<(), String> {
+            fn commit(&mut self, token: u32) -> Result<(), crate::sampler::SamplingError> {
                 self.0.push(token);
                 Ok(())
             }

@@ -4,6 +4,23 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// Why a token could not be picked: parameters that describe no distribution, a row with
+/// nothing to pick, or a constraint that failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    #[error("temperature {0} must be a finite value >= 0")]
+    Temperature(f32),
+    #[error("top_p {0} must be in (0, 1]")]
+    TopP(f32),
+    #[error("logits row is empty or all NaN")]
+    NoCandidate,
+    /// The constraint's matcher refused (its message).
+    #[error("grammar: {0}")]
+    Grammar(String),
+    #[error("the grammar allows no token")]
+    NothingAllowed,
+}
+
 /// How to pick tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -29,12 +46,12 @@ impl SamplingParams {
     }
 
     /// Rejects values that cannot describe a distribution.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(format!("temperature {} must be a finite value >= 0", self.temperature));
+            return Err(SamplingError::Temperature(self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p {} must be in (0, 1]", self.top_p));
+            return Err(SamplingError::TopP(self.top_p));
         }
         Ok(())
     }
@@ -45,16 +62,16 @@ impl SamplingParams {
 pub trait TokenConstraint {
     /// Sets the logits of every token the constraint does not allow next to `-inf`. Errors when
     /// it allows none (or the constraint is broken).
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), SamplingError>;
     /// Records the token chosen (one the last mask allowed).
-    fn commit(&mut self, token: u32) -> Result<(), String>;
+    fn commit(&mut self, token: u32) -> Result<(), SamplingError>;
 }
 
 impl<T: TokenConstraint + ?Sized> TokenConstraint for &mut T {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), SamplingError> {
         (**self).mask(logits)
     }
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn commit(&mut self, token: u32) -> Result<(), SamplingError> {
         (**self).commit(token)
     }
 }
@@ -80,7 +97,7 @@ pub fn argmax(logits: &[f32]) -> Option<usize> {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> Result<Self, String> {
+    pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
         params.validate()?;
         let rng = StdRng::seed_from_u64(params.seed);
         Ok(Sampler { params, rng })
@@ -91,15 +108,15 @@ impl Sampler {
     }
 
     /// Picks the next token id from one logits row.
-    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, String> {
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
         let p = &self.params;
         if p.greedy || p.temperature == 0.0 {
-            return argmax(logits).map(|i| i as u32).ok_or_else(|| "logits row is empty or all NaN".to_string());
+            return argmax(logits).map(|i| i as u32).ok_or(SamplingError::NoCandidate);
         }
         // candidates sorted by logit, descending (stable: lower id first on ties)
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| !logits[i].is_nan()).collect();
         if idx.is_empty() {
-            return Err("logits row is empty or all NaN".into());
+            return Err(SamplingError::NoCandidate);
         }
         idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         if p.top_k > 0 && p.top_k < idx.len() {

@@ -8,9 +8,9 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 
-use super::grammar::{reply_grammar, ReplyShape};
-use crate::sampler::TokenConstraint;
-use crate::tokenizer::{names, Tokenizer};
+use super::grammar::{reply_grammar, GrammarError, ReplyShape};
+use crate::sampler::{SamplingError, TokenConstraint};
+use crate::tokenizer::{names, Tokenizer, TokenizerError};
 
 /// The tokenizer as llguidance sees it: ordinary tokens by their bytes, special tokens as
 /// `\xff` + their name (how llguidance marks specials), `<|end_of_msg|>` as the end token.
@@ -39,8 +39,8 @@ pub struct Grammars {
 }
 
 impl Grammars {
-    pub fn new(tok: Arc<Tokenizer>) -> Result<Self, String> {
-        let end_of_msg = tok.special_id(names::END_OF_MSG).ok_or("the tokenizer has no <|end_of_msg|> token")?;
+    pub fn new(tok: Arc<Tokenizer>) -> Result<Self, GrammarError> {
+        let end_of_msg = tok.special_id(names::END_OF_MSG).ok_or(TokenizerError::MissingSpecial(names::END_OF_MSG))?;
         let n = tok.vocab_size();
         let mut words = Vec::with_capacity(n as usize);
         for id in 0..n {
@@ -50,32 +50,32 @@ impl Grammars {
                 w.extend_from_slice(name.as_bytes());
                 words.push(w);
             } else {
-                words.push(tok.token_bytes(id).ok_or_else(|| format!("token {id} has no bytes"))?.to_vec());
+                words.push(tok.token_bytes(id).ok_or(GrammarError::TokenWithoutBytes(id))?.to_vec());
             }
         }
         let info = TokRxInfo::new(n, end_of_msg);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(K3TokEnv { trie, tok });
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| format!("llguidance: {e}"))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Llguidance(e.to_string()))?;
         factory.quiet();
         Ok(Grammars { factory, end_of_msg })
     }
 
     /// A constraint for a reply of `shape` after a thinking (or non-thinking) generation prompt.
-    pub fn constraint(&self, shape: &ReplyShape, thinking: bool) -> Result<GrammarConstraint, String> {
+    pub fn constraint(&self, shape: &ReplyShape, thinking: bool) -> Result<GrammarConstraint, GrammarError> {
         let lark = reply_grammar(shape, thinking)?;
         self.from_lark(&lark)
     }
 
     /// A constraint from a Lark grammar (llguidance syntax).
-    pub fn from_lark(&self, lark: &str) -> Result<GrammarConstraint, String> {
+    pub fn from_lark(&self, lark: &str) -> Result<GrammarConstraint, GrammarError> {
         let parser = self
             .factory
             .create_parser(TopLevelGrammar::from_lark(lark.to_string()))
-            .map_err(|e| format!("the grammar cannot be used: {e}"))?;
+            .map_err(|e| GrammarError::Unusable(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(format!("the grammar cannot be used: {e}"));
+            return Err(GrammarError::Unusable(e.to_string()));
         }
         Ok(GrammarConstraint { matcher, end_of_msg: self.end_of_msg, vocab: self.factory.tok_env().tok_trie().vocab_size() })
     }
@@ -89,8 +89,8 @@ pub struct GrammarConstraint {
 }
 
 impl TokenConstraint for GrammarConstraint {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| format!("grammar: {e}"))?;
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), SamplingError> {
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| SamplingError::Grammar(e.to_string()))?;
         let n = logits.len().min(self.vocab);
         allowed.iter_unset_entries(|i| {
             if i < n {
@@ -102,15 +102,15 @@ impl TokenConstraint for GrammarConstraint {
             *l = f32::NEG_INFINITY;
         }
         if allowed.num_set() == 0 {
-            return Err("the grammar allows no token".into());
+            return Err(SamplingError::NothingAllowed);
         }
         Ok(())
     }
 
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn commit(&mut self, token: u32) -> Result<(), SamplingError> {
         if token == self.end_of_msg && self.matcher.is_stopped() {
             return Ok(()); // the end of a finished grammar
         }
-        self.matcher.consume_token(token).map_err(|e| format!("grammar: {e}"))
+        self.matcher.consume_token(token).map_err(|e| SamplingError::Grammar(e.to_string()))
     }
 }

@@ -14,6 +14,27 @@
 
 use super::json::Json;
 use super::render::escape_attr;
+use crate::tokenizer::TokenizerError;
+
+/// Why a reply cannot be constrained: what the request lacks (a client error), or why the
+/// tokenizer or llguidance cannot serve grammars.
+#[derive(Debug, thiserror::Error)]
+pub enum GrammarError {
+    #[error("tools[{0}] has no function name")]
+    NoToolName(usize),
+    #[error("the tool {0:?} is not declared in `tools`")]
+    ToolNotDeclared(String),
+    #[error("no tools are declared")]
+    NoTools,
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("token {0} has no bytes")]
+    TokenWithoutBytes(u32),
+    #[error("llguidance: {0}")]
+    Llguidance(String),
+    #[error("the grammar cannot be used: {0}")]
+    Unusable(String),
+}
 
 /// What a constrained reply must be.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,7 +156,7 @@ fn tool_arguments(i: usize, params: Option<&Json>, rules: &mut Vec<String>) -> S
 /// The Lark grammar of a reply of `shape` after a generation prompt in thinking mode
 /// (`thinking`: the prompt ends `O think S`) or not (it ends `O response S`). Errors name
 /// what the request lacks (a named tool that is not declared, a tool without a name).
-pub fn reply_grammar(shape: &ReplyShape, thinking: bool) -> Result<String, String> {
+pub fn reply_grammar(shape: &ReplyShape, thinking: bool) -> Result<String, GrammarError> {
     let mut rules: Vec<String> = Vec::new();
     let (body, tail) = match shape {
         ReplyShape::JsonObject => (json_rule(&Json::parse(r#"{"type": "object"}"#).expect("valid")), String::new()),
@@ -146,7 +167,7 @@ pub fn reply_grammar(shape: &ReplyShape, thinking: bool) -> Result<String, Strin
             for (i, t) in declared.iter().enumerate() {
                 let f = t.get("function").unwrap_or(t);
                 let Some(name) = f.get("name").and_then(Json::as_str).filter(|n| !n.is_empty()) else {
-                    return Err(format!("tools[{i}] has no function name"));
+                    return Err(GrammarError::NoToolName(i));
                 };
                 if only.as_deref().is_some_and(|o| o != name) {
                     continue;
@@ -163,8 +184,8 @@ pub fn reply_grammar(shape: &ReplyShape, thinking: bool) -> Result<String, Strin
             }
             if calls.is_empty() {
                 return Err(match only {
-                    Some(n) => format!("the tool {n:?} is not declared in `tools`"),
-                    None => "no tools are declared".to_string(),
+                    Some(n) => GrammarError::ToolNotDeclared(n.clone()),
+                    None => GrammarError::NoTools,
                 });
             }
             rules.push(format!("call: {}", calls.join(" | ")));

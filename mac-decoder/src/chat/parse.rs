@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::json::Json;
-use crate::tokenizer::{names, Tokenizer, Utf8Stream};
+use crate::tokenizer::{names, Tokenizer, TokenizerError, Utf8Stream};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,8 +75,8 @@ pub struct MarkerIds {
 }
 
 impl MarkerIds {
-    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Self, String> {
-        let get = |n: &str| tok.special_id(n).ok_or_else(|| format!("the tokenizer has no {n} token"));
+    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Self, TokenizerError> {
+        let get = |n: &'static str| tok.special_id(n).ok_or(TokenizerError::MissingSpecial(n));
         Ok(MarkerIds {
             open: get(names::OPEN)?,
             close: get(names::CLOSE)?,
@@ -139,7 +139,7 @@ pub struct OutputParser {
 impl OutputParser {
     /// `thinking`: the prompt ended with `O think S` (else with `O response S`).
     /// Tool call ids are `{call_id_prefix}_{index}`.
-    pub fn new(tok: Arc<Tokenizer>, thinking: bool, call_id_prefix: impl Into<String>) -> Result<Self, String> {
+    pub fn new(tok: Arc<Tokenizer>, thinking: bool, call_id_prefix: impl Into<String>) -> Result<Self, TokenizerError> {
         let ids = MarkerIds::from_tokenizer(&tok)?;
         Ok(OutputParser {
             tok,

@@ -69,8 +69,8 @@ fn env_secs(name: &str, default: f64) -> Result<Duration> {
 /// `distributed::init`). Forming a ring blocks until every rank has connected; that wait runs
 /// under the watchdog with the start timeout.
 pub fn world() -> Result<&'static Group> {
-    static WORLD: OnceLock<std::result::Result<Group, String>> = OnceLock::new();
-    WORLD.get_or_init(|| Group::from_env().map_err(|e| format!("{e:#}"))).as_ref().map_err(|e| anyhow::anyhow!("{e}"))
+    static WORLD: OnceLock<std::result::Result<Group, std::sync::Arc<anyhow::Error>>> = OnceLock::new();
+    WORLD.get_or_init(|| Group::from_env().map_err(std::sync::Arc::new)).as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))
 }
 
 impl Group {

@@ -5,6 +5,7 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
@@ -84,7 +85,8 @@ struct Down {
 pub struct RemotePrefiller {
     rt: tokio::runtime::Runtime,
     opts: RemoteOptions,
-    node_cfg: std::result::Result<NodeConfig, String>,
+    /// `Err`: why the node can never be used (pairing), kept for every attempt's fallback reason.
+    node_cfg: std::result::Result<NodeConfig, Arc<anyhow::Error>>,
     text_config: TextConfig,
     media_token: u32,
     client: Option<PrefillClient>,
@@ -195,9 +197,9 @@ impl RemotePrefiller {
     /// A prefiller for `engine`'s model. Pairing problems do not fail here: every remote attempt
     /// then falls back with the reason.
     pub fn new(engine: &Engine, opts: RemoteOptions) -> Result<RemotePrefiller> {
-        let cfg = node_config(engine, &opts).map_err(|e| format!("{e:#}"));
+        let cfg = node_config(engine, &opts).map_err(Arc::new);
         if let Err(e) = &cfg {
-            tracing::warn!("the prefill node cannot be used: {e}");
+            tracing::warn!("the prefill node cannot be used: {e:#}");
         }
         Self::build(engine, opts, cfg)
     }
@@ -207,7 +209,7 @@ impl RemotePrefiller {
         Self::build(engine, opts, Ok(cfg))
     }
 
-    fn build(engine: &Engine, opts: RemoteOptions, mut node_cfg: std::result::Result<NodeConfig, String>) -> Result<RemotePrefiller> {
+    fn build(engine: &Engine, opts: RemoteOptions, mut node_cfg: std::result::Result<NodeConfig, Arc<anyhow::Error>>) -> Result<RemotePrefiller> {
         if let Ok(cfg) = node_cfg.as_mut() {
             cfg.accept_compatible_states = opts.accept_compatible_states;
         }
@@ -260,7 +262,7 @@ impl RemotePrefiller {
 
     /// The node's current cost, connecting first if needed (None: it cannot be reached).
     fn node_cost(&mut self) -> std::result::Result<k3_protocol::wire::NodeCost, Failure> {
-        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(e.clone()))?.clone();
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(format!("{e:#}")))?.clone();
         let opts = self.opts.clone();
         let slot = &mut self.client;
         let r = self.rt.block_on(async {
@@ -318,7 +320,7 @@ impl RemotePrefiller {
         let why_local = if let Some(m) = manual_local {
             Some((Route::Local, format!("{} new tokens, below --remote-min-tokens {m}", tokens.len())))
         } else if let Err(e) = &self.node_cfg {
-            Some((Route::Fallback, e.clone()))
+            Some((Route::Fallback, format!("{e:#}")))
         } else if let Some(d) = self.down.as_ref().filter(|d| d.since.elapsed() < self.opts.retry_after) {
             timing.compatible_source = d.compatible_refused.then_some(CompatibleSource::Refused);
             Some((
@@ -481,7 +483,7 @@ impl RemotePrefiller {
 
     /// One remote attempt; on success the conversation holds the new state.
     fn remote(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>, timing: &mut TurnTiming) -> std::result::Result<(), Failure> {
-        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(e.clone()))?.clone();
+        let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(format!("{e:#}")))?.clone();
         let plan = conv.plan_remote(tokens, self.media_token)?;
         let image_embeddings = image_rows(engine, &plan, tokens, image)?;
         let c = &self.text_config;

@@ -251,7 +251,7 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_log
     };
     let return_token_ids = opt_bool(v, "return_token_ids")?.unwrap_or(false);
     let sampling = SamplingParams { greedy: temperature == 0.0, temperature: temperature as f32, top_p: top_p as f32, top_k: top_k as usize, seed };
-    sampling.validate().map_err(|e| ApiError::bad_request(e, None))?;
+    sampling.validate().map_err(|e| ApiError::bad_request(e.to_string(), None))?;
     Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids, logprobs, n })
 }
 
@@ -553,63 +553,90 @@ impl ImageInput {
 /// The URL of an image part: `{"type": "image_url", "image_url": {"url": ...}}` (OpenAI chat),
 /// `"image_url": "..."` (a common shorthand), `{"type": "input_image", "image_url": "..."}`
 /// (OpenAI responses).
-fn image_part_url<'a>(p: &'a Json, ty: &str) -> Result<&'a str, String> {
+fn image_part_url<'a>(p: &'a Json, ty: &str) -> Result<&'a str, ImageUrlError> {
     match p.get("image_url") {
         Some(Json::Str(u)) => Ok(u),
-        Some(o @ Json::Object(_)) => o.get("url").and_then(Json::as_str).ok_or_else(|| "`image_url.url` must be a string".to_string()),
-        _ => Err(format!("an {ty} part needs `image_url` (an object with `url`, or a string)")),
+        Some(o @ Json::Object(_)) => o.get("url").and_then(Json::as_str).ok_or(ImageUrlError::UrlNotString),
+        _ => Err(ImageUrlError::MissingUrl(ty.to_string())),
     }
 }
 
 /// Largest decoded image accepted (the pre-processor's own limit).
 pub const MAX_IMAGE_BYTES: usize = 64 << 20;
 
+/// Why an image part gives no image bytes (a client error).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageUrlError {
+    #[error("`image_url.url` must be a string")]
+    UrlNotString,
+    /// The part's type.
+    #[error("an {0} part needs `image_url` (an object with `url`, or a string)")]
+    MissingUrl(String),
+    /// An http(s) URL (its first 48 characters).
+    #[error("image URLs are not fetched ({0:?}): this server does not reach the internet; send the image inline as a data URL (data:image/png;base64,...)")]
+    NotFetched(String),
+    /// Any other non-`data:` URL (its first 48 characters).
+    #[error("unsupported image URL {0:?}; send the image inline as a data URL (data:image/png;base64,...)")]
+    Unsupported(String),
+    #[error("the data URL has no `,` before its data")]
+    NoComma,
+    /// The declared media type.
+    #[error("the data URL holds {0:?}, not an image")]
+    NotImage(String),
+    #[error("the data URL must be base64-encoded (data:image/png;base64,...)")]
+    NotBase64,
+    #[error("the image is larger than {} MiB", MAX_IMAGE_BYTES >> 20)]
+    TooLarge,
+    #[error("the data URL's base64 is invalid: {0}")]
+    Base64(base64::DecodeError),
+    #[error("the data URL holds no data")]
+    Empty,
+}
+
 /// The image bytes of an image part: only `data:` URLs (the decoder node does not fetch URLs).
-fn image_part_bytes(p: &Json, ty: &str) -> Result<Vec<u8>, String> {
+fn image_part_bytes(p: &Json, ty: &str) -> Result<Vec<u8>, ImageUrlError> {
     let url = image_part_url(p, ty)?;
     decode_data_url(url)
 }
 
 /// Decodes `data:[<media type>][;params];base64,<data>`. The media type, when given, must be an
 /// image type; the bytes themselves are sniffed by the image decoder (PNG, JPEG, WebP).
-pub fn decode_data_url(url: &str) -> Result<Vec<u8>, String> {
+pub fn decode_data_url(url: &str) -> Result<Vec<u8>, ImageUrlError> {
     use base64::Engine as _;
     let is_data = url.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("data:"));
     if !is_data {
         let shown: String = url.chars().take(48).collect();
         let scheme = url.split_once(':').map(|(s, _)| s).filter(|s| s.len() < 16 && !s.is_empty());
         return Err(match scheme {
-            Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("https") => format!(
-                "image URLs are not fetched ({shown:?}): this server does not reach the internet; send the image inline as a data URL (data:image/png;base64,...)"
-            ),
-            _ => format!("unsupported image URL {shown:?}; send the image inline as a data URL (data:image/png;base64,...)"),
+            Some(s) if s.eq_ignore_ascii_case("http") || s.eq_ignore_ascii_case("https") => ImageUrlError::NotFetched(shown),
+            _ => ImageUrlError::Unsupported(shown),
         });
     }
     let rest = &url[5..];
     let Some((meta, data)) = rest.split_once(',') else {
-        return Err("the data URL has no `,` before its data".into());
+        return Err(ImageUrlError::NoComma);
     };
     let mut fields = meta.split(';');
     let mime = fields.next().unwrap_or("").trim();
     let base64 = fields.any(|f| f.trim().eq_ignore_ascii_case("base64"));
     if !mime.is_empty() && !mime.to_ascii_lowercase().starts_with("image/") {
-        return Err(format!("the data URL holds {mime:?}, not an image"));
+        return Err(ImageUrlError::NotImage(mime.to_string()));
     }
     if !base64 {
-        return Err("the data URL must be base64-encoded (data:image/png;base64,...)".into());
+        return Err(ImageUrlError::NotBase64);
     }
     // Lenient on whitespace (wrapped base64) and on missing padding.
     let clean: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     if clean.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
-        return Err(format!("the image is larger than {} MiB", MAX_IMAGE_BYTES >> 20));
+        return Err(ImageUrlError::TooLarge);
     }
     let engine = base64::engine::GeneralPurpose::new(
         &base64::alphabet::STANDARD,
         base64::engine::GeneralPurposeConfig::new().with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
     );
-    let bytes = engine.decode(clean.as_bytes()).map_err(|e| format!("the data URL's base64 is invalid: {e}"))?;
+    let bytes = engine.decode(clean.as_bytes()).map_err(ImageUrlError::Base64)?;
     if bytes.is_empty() {
-        return Err("the data URL holds no data".into());
+        return Err(ImageUrlError::Empty);
     }
     Ok(bytes)
 }

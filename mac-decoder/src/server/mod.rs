@@ -40,7 +40,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::chat::constrain::Grammars;
-use crate::chat::grammar::ReplyShape;
+use crate::chat::grammar::{GrammarError, ReplyShape};
 use crate::chat::parse::{FinishReason, OutputEvent, OutputParser, ToolCall};
 use crate::chat::render::render;
 use crate::generate::Emitted;
@@ -73,7 +73,7 @@ pub struct AppState {
     /// When the server started (the model's `created`).
     created: u64,
     /// Constrained decoding's view of the tokenizer, built on first use.
-    grammars: OnceLock<Result<Arc<Grammars>, String>>,
+    grammars: OnceLock<Result<Arc<Grammars>, Arc<GrammarError>>>,
 }
 
 impl AppState {
@@ -91,7 +91,7 @@ impl AppState {
                 .grammars
                 .get_or_init(|| {
                     let t = std::time::Instant::now();
-                    let g = Grammars::new(st.tokenizer.clone()).map(Arc::new);
+                    let g = Grammars::new(st.tokenizer.clone()).map(Arc::new).map_err(Arc::new);
                     tracing::info!(seconds = t.elapsed().as_secs_f64(), "constrained decoding ready (token trie built)");
                     g
                 })
@@ -285,7 +285,7 @@ fn start(
     let rx = st
         .engine
         .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs })
-        .map_err(ApiError::unavailable)?;
+        .map_err(|e| ApiError::unavailable(e.to_string()))?;
     Ok((rx, max_tokens))
 }
 
@@ -597,7 +597,7 @@ async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_prefix: &str)
     let mut runs = Vec::with_capacity(n);
     for i in 0..n {
         let prefix = if n > 1 { format!("{call_id_prefix}_{i}") } else { call_id_prefix.to_string() };
-        let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(ApiError::internal)?;
+        let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(|e| ApiError::internal(e.to_string()))?;
         let parser = if req.tool_calls_allowed() { parser } else { parser.without_tool_calls() };
         let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
         runs.push(ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs });

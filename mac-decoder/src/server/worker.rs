@@ -182,15 +182,24 @@ impl EngineHandle {
 
     /// Queues a job; its events come back through the returned [`JobEvents`] (drop it to
     /// cancel the job).
-    pub fn submit(&self, job: GenJob) -> Result<JobEvents, String> {
+    pub fn submit(&self, job: GenJob) -> Result<JobEvents, SubmitError> {
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         match &self.engine.jobs {
-            Some(jobs) => jobs.send(Queued { job, events, cancel: cancel.clone() }).map_err(|_| "the engine thread has stopped".to_string())?,
-            None => return Err("the engine is shutting down".to_string()),
+            Some(jobs) => jobs.send(Queued { job, events, cancel: cancel.clone() }).map_err(|_| SubmitError::Stopped)?,
+            None => return Err(SubmitError::ShuttingDown),
         }
         Ok(JobEvents { rx, cancel })
     }
+}
+
+/// Why a job could not be queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the engine thread has stopped")]
+    Stopped,
+    #[error("the engine is shutting down")]
+    ShuttingDown,
 }
 
 /// The engine thread and its queue, shared by the clones of an [`EngineHandle`].

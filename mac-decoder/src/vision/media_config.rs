@@ -68,12 +68,41 @@ pub fn memory_patch_limit(v: &k3_protocol::VisionConfig, budget: Option<u64>) ->
     (budget.saturating_sub(scores) / tower_bytes_per_patch(v).max(1) as u64).min(usize::MAX as u64) as usize
 }
 
+/// A pre-processing config that cannot be read or used: the file, or the field and value.
 #[derive(Debug, thiserror::Error)]
 pub enum MediaConfigError {
     #[error("cannot read {path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("malformed {path}: {msg}")]
-    Invalid { path: String, msg: String },
+    /// `source` is one of the variants below.
+    #[error("malformed {path}: {source}")]
+    Invalid { path: String, source: Box<MediaConfigError> },
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("fixed_output_tokens = {0} is not supported (the tower's token count follows the grid)")]
+    FixedOutputTokens(usize),
+    #[error("merge_kernel_size must be a positive integer")]
+    MergeNotInteger,
+    #[error("merge_kernel_size must hold positive integers")]
+    MergeNotIntegers,
+    /// The JSON value as written.
+    #[error("merge_kernel_size {0} is not an integer or a square [k, k]")]
+    MergeShape(String),
+    #[error("transparent_bg_config.pattern {0:?} is not chessboard/white/black/gray")]
+    BgPattern(String),
+    #[error("transparent_bg_fill_stage {0:?} is not before_resize/after_resize")]
+    FillStage(String),
+    #[error("patch_size and merge_kernel_size must be > 0")]
+    ZeroPatch,
+    #[error("in_patch_limit {limit} is below one merged token ({patches} patches)")]
+    InPatchLimit { limit: usize, patches: usize },
+    #[error("patch_limit_on_one_side {0} is below merge_kernel_size")]
+    SideLimit(usize),
+    #[error("image_mean {mean:?} / image_std {std:?} are not usable")]
+    Normalization { mean: [f64; 3], std: [f64; 3] },
+    #[error("chessboard_square_size must be > 0")]
+    ZeroSquare,
+    #[error("patch_size {patch} / merge_kernel_size {merge} disagree with vision_config ({vision_patch} / {vision_merge:?})")]
+    VisionMismatch { patch: usize, merge: usize, vision_patch: usize, vision_merge: [usize; 2] },
 }
 
 impl MediaProcConfig {
@@ -113,47 +142,44 @@ impl MediaProcConfig {
         }
         let text = std::fs::read_to_string(&path)
             .map_err(|source| MediaConfigError::Io { path: path.display().to_string(), source })?;
-        let cfg = Self::from_json(&text).map_err(|msg| MediaConfigError::Invalid { path: path.display().to_string(), msg })?;
+        let invalid = |e| MediaConfigError::Invalid { path: path.display().to_string(), source: Box::new(e) };
+        let cfg = Self::from_json(&text).map_err(invalid)?;
         if cfg.patch_size != v.patch_size || cfg.merge_kernel_size != v.merge_kernel_size[0] || v.merge_kernel_size[0] != v.merge_kernel_size[1] {
-            return Err(MediaConfigError::Invalid {
-                path: path.display().to_string(),
-                msg: format!(
-                    "patch_size {} / merge_kernel_size {} disagree with vision_config ({} / {:?})",
-                    cfg.patch_size, cfg.merge_kernel_size, v.patch_size, v.merge_kernel_size
-                ),
-            });
+            return Err(invalid(MediaConfigError::VisionMismatch {
+                patch: cfg.patch_size,
+                merge: cfg.merge_kernel_size,
+                vision_patch: v.patch_size,
+                vision_merge: v.merge_kernel_size,
+            }));
         }
         Ok(cfg)
     }
 
     /// Parses a `preprocessor_config.json` (its `media_proc_cfg` object, or the object itself).
-    pub fn from_json(text: &str) -> Result<Self, String> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    pub fn from_json(text: &str) -> Result<Self, MediaConfigError> {
+        let value: serde_json::Value = serde_json::from_str(text)?;
         let obj = value.get("media_proc_cfg").cloned().unwrap_or(value);
-        let raw: RawMediaProcCfg = serde_json::from_value(obj).map_err(|e| e.to_string())?;
+        let raw: RawMediaProcCfg = serde_json::from_value(obj)?;
         raw.into_config()
     }
 
     /// Checks the values the resize rule divides by or loops on.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), MediaConfigError> {
         if self.patch_size == 0 || self.merge_kernel_size == 0 {
-            return Err("patch_size and merge_kernel_size must be > 0".into());
+            return Err(MediaConfigError::ZeroPatch);
         }
         if self.in_patch_limit < self.merge_kernel_size * self.merge_kernel_size {
-            return Err(format!(
-                "in_patch_limit {} is below one merged token ({} patches)",
-                self.in_patch_limit,
-                self.merge_kernel_size * self.merge_kernel_size
-            ));
+            let patches = self.merge_kernel_size * self.merge_kernel_size;
+            return Err(MediaConfigError::InPatchLimit { limit: self.in_patch_limit, patches });
         }
         if self.patch_limit_on_one_side < self.merge_kernel_size {
-            return Err(format!("patch_limit_on_one_side {} is below merge_kernel_size", self.patch_limit_on_one_side));
+            return Err(MediaConfigError::SideLimit(self.patch_limit_on_one_side));
         }
         if self.image_std.iter().any(|s| *s == 0.0 || !s.is_finite()) || self.image_mean.iter().any(|m| !m.is_finite()) {
-            return Err(format!("image_mean {:?} / image_std {:?} are not usable", self.image_mean, self.image_std));
+            return Err(MediaConfigError::Normalization { mean: self.image_mean, std: self.image_std });
         }
         if let Some(BgPattern::Chessboard { square: 0, .. }) = self.transparent_bg {
-            return Err("chessboard_square_size must be > 0".into());
+            return Err(MediaConfigError::ZeroSquare);
         }
         Ok(())
     }
@@ -195,16 +221,16 @@ fn half3() -> [f64; 3] {
 }
 
 impl RawMediaProcCfg {
-    fn into_config(self) -> Result<MediaProcConfig, String> {
+    fn into_config(self) -> Result<MediaProcConfig, MediaConfigError> {
         if let Some(n) = self.fixed_output_tokens {
-            return Err(format!("fixed_output_tokens = {n} is not supported (the tower's token count follows the grid)"));
+            return Err(MediaConfigError::FixedOutputTokens(n));
         }
         let merge = match &self.merge_kernel_size {
-            serde_json::Value::Number(n) => n.as_u64().ok_or("merge_kernel_size must be a positive integer")? as usize,
+            serde_json::Value::Number(n) => n.as_u64().ok_or(MediaConfigError::MergeNotInteger)? as usize,
             serde_json::Value::Array(a) if a.len() == 2 && a[0] == a[1] => {
-                a[0].as_u64().ok_or("merge_kernel_size must hold positive integers")? as usize
+                a[0].as_u64().ok_or(MediaConfigError::MergeNotIntegers)? as usize
             }
-            other => return Err(format!("merge_kernel_size {other} is not an integer or a square [k, k]")),
+            other => return Err(MediaConfigError::MergeShape(other.to_string())),
         };
         let transparent_bg = match self.transparent_bg_config {
             None => None,
@@ -218,13 +244,13 @@ impl RawMediaProcCfg {
                 "white" => BgPattern::Solid(255),
                 "black" => BgPattern::Solid(0),
                 "gray" => BgPattern::Solid(128),
-                p => return Err(format!("transparent_bg_config.pattern {p:?} is not chessboard/white/black/gray")),
+                p => return Err(MediaConfigError::BgPattern(p.to_string())),
             }),
         };
         let fill_stage = match self.transparent_bg_fill_stage.as_deref() {
             None | Some("before_resize") => FillStage::BeforeResize,
             Some("after_resize") => FillStage::AfterResize,
-            Some(s) => return Err(format!("transparent_bg_fill_stage {s:?} is not before_resize/after_resize")),
+            Some(s) => return Err(MediaConfigError::FillStage(s.to_string())),
         };
         let cfg = MediaProcConfig {
             patch_size: self.patch_size,

@@ -2,7 +2,7 @@
 //! patch budgets, transparent-background fill, black padding to multiples of patch × merge,
 //! normalisation to [−1, 1], and 14×14 patches with their (t, h, w) grid.
 
-use super::media_config::{BgPattern, FillStage, MediaProcConfig};
+use super::media_config::{BgPattern, FillStage, MediaConfigError, MediaProcConfig};
 use super::resample::{resize_channels, resize_rgba, Image8};
 
 /// Largest encoded image accepted (bytes).
@@ -21,7 +21,9 @@ pub enum PreprocessError {
     #[error("image is {w}x{h}: {msg}")]
     BadSize { w: u64, h: u64, msg: String },
     #[error("media_proc_cfg: {0}")]
-    Config(String),
+    Config(#[from] MediaConfigError),
+    #[error("media_proc_cfg: no patch budget fits {width}x{height}")]
+    NoPatchBudget { width: usize, height: usize },
 }
 
 /// How an image of a given size is resized, padded and tokenised.
@@ -67,7 +69,7 @@ fn navit_plan(w: usize, h: usize, cfg: &MediaProcConfig, in_patch_limit: usize) 
 /// The resize rule of the reference processor: apply the budgets; while the padded token
 /// count exceeds `in_patch_limit / merge²`, shrink the patch budget and apply them again.
 pub fn resize_plan(width: usize, height: usize, cfg: &MediaProcConfig) -> Result<ResizePlan, PreprocessError> {
-    cfg.validate().map_err(PreprocessError::Config)?;
+    cfg.validate()?;
     if width == 0 || height == 0 {
         return Err(PreprocessError::BadSize { w: width as u64, h: height as u64, msg: "empty image".into() });
     }
@@ -82,7 +84,7 @@ pub fn resize_plan(width: usize, height: usize, cfg: &MediaProcConfig) -> Result
         limit = (limit - 1).min(reduced);
         if limit < 0 {
             // Unreachable for a validated config (a budget of 0 gives a single token).
-            return Err(PreprocessError::Config(format!("no patch budget fits {width}x{height}")));
+            return Err(PreprocessError::NoPatchBudget { width, height });
         }
     }
 }

@@ -50,6 +50,9 @@ pub enum TokenizerError {
     Encode(String),
     #[error("token id {id} is outside the vocabulary (size {vocab})")]
     UnknownId { id: u32, vocab: u32 },
+    /// A special token the caller needs (its name).
+    #[error("the tokenizer has no {0} token")]
+    MissingSpecial(&'static str),
 }
 
 /// A piece of a prompt with its encoding mode (spec K3_CHAT §2.1): markup is encoded with
