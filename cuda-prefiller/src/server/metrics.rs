@@ -250,7 +250,9 @@ pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRec
 }
 
 /// `GET /metrics` over plain HTTP/1.1 until told to stop (one short response per connection).
-pub(crate) async fn serve_http(listener: tokio::net::TcpListener, sh: Arc<crate::server::Shared>, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// `page` renders the body.
+pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn() -> String + Send + Sync + 'static, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let page = Arc::new(page);
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     loop {
         let (mut sock, _) = tokio::select! {
@@ -263,7 +265,7 @@ pub(crate) async fn serve_http(listener: tokio::net::TcpListener, sh: Arc<crate:
             },
             _ = stop.wait_for(|v| *v) => return,
         };
-        let sh = sh.clone();
+        let page = page.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
@@ -272,10 +274,7 @@ pub(crate) async fn serve_http(listener: tokio::net::TcpListener, sh: Arc<crate:
             };
             let req = String::from_utf8_lossy(&buf[..n]);
             let (status, body) = if req.starts_with("GET /metrics ") || req.starts_with("GET / ") {
-                let sessions = sh.sessions.lock().map(|s| s.stats()).unwrap_or_default();
-                let recent = sh.metrics.recent();
-                let cost = sh.cost.current();
-                ("200 OK", openmetrics(&sh.metrics.counters(), &sessions, recent.last(), Some(&cost)))
+                ("200 OK", page())
             } else {
                 ("404 Not Found", "only GET /metrics here\n".to_string())
             };

@@ -2,7 +2,7 @@
 //! ([`k3_protocol::transport::PrefillServer`]), runs the layer-major executor for their
 //! requests on one compute worker (one prefill at a time per backend; later requests queue, a
 //! full queue is refused as `Busy`), ships each layer's state the moment it is done, and keeps
-//! each session's prefix in a bounded [`sessions::SessionStore`] so the next turn prefills only
+//! each session's prefix in a bounded [`sessions::PrefixStore`] so the next turn prefills only
 //! its new tokens.
 //!
 //! ```no_run
@@ -18,6 +18,7 @@
 //! # Ok(()) }
 //! ```
 
+mod context;
 pub mod cost;
 pub mod metrics;
 mod request;
@@ -30,93 +31,22 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use k3_protocol::config::TextConfig;
 use k3_protocol::transport::{NodeConfig, PrefillConnection, PrefillServer, TransferError};
 use tokio::sync::watch;
 
 use crate::backend::Backend;
 use crate::model::Model;
+use context::NodeContext;
+pub use context::{OnVerified, ServeOptions};
 pub use metrics::{MetricsSnapshot, Outcome, RequestRecord, ServerMetrics};
-pub use sessions::{SessionStore, StoreLimits, StoreStats};
-
-/// Settings of a prefill node.
-#[derive(Debug, Clone)]
-pub struct ServeOptions {
-    /// Session prefixes: byte limit and idle lease.
-    pub store: StoreLimits,
-    /// Requests that may wait behind the computing one; more are refused as `Busy`.
-    pub max_queue: usize,
-    /// Most new tokens in one request (`TooLarge` past it).
-    pub max_request_tokens: usize,
-    /// Executor: tokens per chunk within a layer.
-    pub chunk_tokens: usize,
-    /// Finished layers the worker may hold while the network is behind.
-    pub layer_buffer: usize,
-    /// Test hook: the worker sleeps this long after each layer.
-    #[doc(hidden)]
-    pub layer_delay: Duration,
-    /// Stream each prompt's weights through these (CUDA backend; `None`: the model's own).
-    pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
-    /// Serve the metrics in the OpenMetrics text format at `GET /metrics` on this TCP address.
-    pub metrics_listen: Option<SocketAddr>,
-    /// Test option: read the layers' weights as if from a source capped at this many bytes per
-    /// second (the CPU stand-in for a PC's NVMe; the node measures and advertises that pass).
-    #[doc(hidden)]
-    pub source_bytes_per_s: Option<f64>,
-    /// Called with the certificate of each decoder whose handshake succeeded (`serve` saves an
-    /// explicitly given `--decoder-fingerprint` only once a decoder has proved it).
-    pub on_verified: Option<OnVerified>,
-    /// Shared weight pass: requests waiting when a pass starts join it while their activations
-    /// and states ([`crate::executor::pass_request_bytes`]) sum to at most this many bytes (the
-    /// first always runs); 0: every request has a pass of its own.
-    pub pass_budget_bytes: u64,
-}
-
-/// A callback on a verified decoder certificate (see [`ServeOptions::on_verified`]).
-#[derive(Clone)]
-pub struct OnVerified(pub Arc<dyn Fn(k3_protocol::transport::CertFingerprint) + Send + Sync>);
-
-impl std::fmt::Debug for OnVerified {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("OnVerified(..)")
-    }
-}
-
-impl Default for ServeOptions {
-    fn default() -> Self {
-        ServeOptions {
-            store: StoreLimits::default(),
-            max_queue: 8,
-            max_request_tokens: 1 << 20,
-            chunk_tokens: 512,
-            layer_buffer: 2,
-            layer_delay: Duration::ZERO,
-            streamed: None,
-            metrics_listen: None,
-            source_bytes_per_s: None,
-            on_verified: None,
-            pass_budget_bytes: 16 << 30,
-        }
-    }
-}
-
-/// State every connection task shares.
-pub(crate) struct Shared {
-    pub(crate) text_config: TextConfig,
-    pub(crate) opts: ServeOptions,
-    pub(crate) sessions: Mutex<SessionStore>,
-    pub(crate) metrics: Arc<ServerMetrics>,
-    pub(crate) jobs: Mutex<std::sync::mpsc::Sender<worker::Job>>,
-    pub(crate) in_flight: AtomicUsize,
-    pub(crate) cost: Arc<cost::CostMeter>,
-}
+pub use sessions::{PrefixStore, StoreLimits, StoreStats};
 
 /// A running prefill node: its own tokio runtime (network), one compute thread (model).
 /// Dropping it shuts it down gracefully.
 pub struct PrefillNode {
     addr: SocketAddr,
     backend: String,
-    shared: Arc<Shared>,
+    shared: Arc<NodeContext>,
     stop: watch::Sender<bool>,
     runtime: Option<tokio::runtime::Runtime>,
     serve_task: Option<tokio::task::JoinHandle<()>>,
@@ -168,9 +98,9 @@ impl PrefillNode {
             },
         )
         .context("starting the compute thread")?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(NodeContext {
             text_config,
-            sessions: Mutex::new(SessionStore::new(opts.store)),
+            sessions: Mutex::new(PrefixStore::new(opts.store)),
             opts,
             metrics,
             jobs: Mutex::new(jobs),
@@ -186,7 +116,13 @@ impl PrefillNode {
                 tokio::net::TcpListener::from_std(std_listener).context("metrics listener")?
             };
             tracing::info!(addr = %maddr, "metrics at GET /metrics");
-            runtime.spawn(metrics::serve_http(listener, shared.clone(), stop_rx.clone()));
+            let sh = shared.clone();
+            let page = move || {
+                let sessions = sh.sessions.lock().map(|s| s.stats()).unwrap_or_default();
+                let recent = sh.metrics.recent();
+                metrics::openmetrics(&sh.metrics.counters(), &sessions, recent.last(), Some(&sh.cost.current()))
+            };
+            runtime.spawn(metrics::serve_http(listener, page, stop_rx.clone()));
         }
         let serve_task = runtime.spawn(serve(server, shared.clone(), stop_rx));
         tracing::info!(%addr, backend, "prefill node ready");
@@ -306,7 +242,7 @@ impl Drop for PrefillNode {
 }
 
 /// Accepts decoders until told to stop.
-async fn serve(server: PrefillServer, sh: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+async fn serve(server: PrefillServer, sh: Arc<NodeContext>, mut stop: watch::Receiver<bool>) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         let next = tokio::select! {
@@ -341,7 +277,7 @@ async fn serve(server: PrefillServer, sh: Arc<Shared>, mut stop: watch::Receiver
 /// One decoder's connection. Each request runs in its own task: a decoder sends its next
 /// request as soon as it has `Done`, while the previous request's task may still be waiting for
 /// the last acknowledgements (and the compute worker orders the actual work).
-async fn serve_connection(mut conn: PrefillConnection, sh: Arc<Shared>) {
+async fn serve_connection(mut conn: PrefillConnection, sh: Arc<NodeContext>) {
     let peer = conn.peer().addr;
     let name = conn.peer().node_name.clone();
     let mut errors = 0;

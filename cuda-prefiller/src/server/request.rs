@@ -14,8 +14,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::executor::EmbeddingOverrides;
 use crate::server::metrics::{Outcome, RequestRecord};
 use crate::server::sessions::{LeaseError, Leased};
-use crate::server::worker::{Job, JobDone};
-use crate::server::Shared;
+use crate::server::context::NodeContext;
+use crate::server::worker::{JobDone, PrefillJob};
 
 /// A refusal before anything was accepted.
 struct Refusal {
@@ -28,7 +28,7 @@ fn refusal(code: ErrorCode, message: impl Into<String>) -> Refusal {
 }
 
 /// Checks what the model can check before any work: ids, sizes, image rows.
-fn check_request(sh: &Shared, req: &k3_protocol::wire::PrefillRequest) -> Result<Option<EmbeddingOverrides>, Refusal> {
+fn check_request(sh: &NodeContext, req: &k3_protocol::wire::PrefillRequest) -> Result<Option<EmbeddingOverrides>, Refusal> {
     let c = &sh.text_config;
     let n = req.tokens.len();
     if n == 0 {
@@ -78,7 +78,7 @@ impl Start {
     /// Gives the leased prefix back when `state` is still exactly it (a request that failed
     /// before the executor committed anything); otherwise the session is dropped, and the
     /// decoder's next turn resends everything.
-    fn put_back(self, sh: &Shared, state: Option<HandoffState>) {
+    fn put_back(self, sh: &NodeContext, state: Option<HandoffState>) {
         let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
         match (self.prefix, state) {
             (Some(tokens), Some(state)) if state.tokens == tokens.len() => {
@@ -90,7 +90,7 @@ impl Start {
 }
 
 /// Handles one request to its end; never panics on what the decoder sent.
-pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
+pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
     let peer = req.peer().to_string();
     let r = &req.request;
     let session = r.session;
@@ -182,7 +182,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
     let cancel = Arc::new(AtomicBool::new(false));
     let job_id = tx.request_id();
     sh.cost.queued(job_id, new_tokens, base);
-    let job = Job {
+    let job = PrefillJob {
         request: job_id,
         tokens: tokens.clone(),
         overrides,
@@ -311,7 +311,7 @@ pub(crate) async fn handle(sh: Arc<Shared>, req: IncomingRequest) {
 }
 
 /// Decrements the in-flight count when the request leaves the queue or the worker.
-struct InFlight(Arc<Shared>);
+struct InFlight(Arc<NodeContext>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -320,7 +320,7 @@ impl Drop for InFlight {
     }
 }
 
-async fn refuse(sh: &Shared, req: IncomingRequest, f: Refusal, mut record: RequestRecord) {
+async fn refuse(sh: &NodeContext, req: IncomingRequest, f: Refusal, mut record: RequestRecord) {
     let code = format!("{:?}", f.code);
     if let Err(e) = req.refuse(f.code, &f.message).await {
         tracing::debug!("refusal not delivered: {e}");

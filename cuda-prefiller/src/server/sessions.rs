@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use k3_protocol::handoff::{token_prefix_hash, HandoffState};
 use k3_protocol::wire::{BasePrefix, SessionId};
 
-/// Limits of a [`SessionStore`].
+/// Limits of a [`PrefixStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreLimits {
     /// Most bytes of held state (fp32 state plus 4 bytes per token id).
@@ -79,7 +79,7 @@ pub struct StoreStats {
 
 /// The bounded store of session prefixes. Not synchronised: keep it behind a mutex.
 #[derive(Debug)]
-pub struct SessionStore {
+pub struct PrefixStore {
     limits: StoreLimits,
     entries: HashMap<SessionId, Entry>,
     evicted: u64,
@@ -90,9 +90,9 @@ fn entry_bytes(tokens: &[u32], state: &HandoffState) -> u64 {
     state.nbytes() as u64 + 4 * tokens.len() as u64
 }
 
-impl SessionStore {
-    pub fn new(limits: StoreLimits) -> SessionStore {
-        SessionStore { limits, entries: HashMap::new(), evicted: 0, expired: 0 }
+impl PrefixStore {
+    pub fn new(limits: StoreLimits) -> PrefixStore {
+        PrefixStore { limits, entries: HashMap::new(), evicted: 0, expired: 0 }
     }
 
     pub fn limits(&self) -> StoreLimits {
@@ -249,7 +249,7 @@ mod tests {
     #[test]
     fn lease_checks_length_and_hash_then_is_exclusive() {
         let now = Instant::now();
-        let mut s = SessionStore::new(StoreLimits::default());
+        let mut s = PrefixStore::new(StoreLimits::default());
         assert!(s.store(sid(1), vec![1, 2, 3], state(3), now));
         assert_eq!(s.lease(sid(2), &base(&[1, 2, 3]), now).unwrap_err(), LeaseError::Unknown(sid(2)));
         assert!(matches!(s.lease(sid(1), &base(&[1, 2]), now), Err(LeaseError::Length { asked: 2, held: 3, .. })));
@@ -266,7 +266,7 @@ mod tests {
     fn evicts_least_recently_used_idle_prefix_and_expires_old_ones() {
         let t0 = Instant::now();
         let one = entry_bytes(&[0; 10], &state(10));
-        let mut s = SessionStore::new(StoreLimits { max_bytes: 2 * one, lease: Duration::from_secs(60) });
+        let mut s = PrefixStore::new(StoreLimits { max_bytes: 2 * one, lease: Duration::from_secs(60) });
         let toks: Vec<u32> = (0..10).collect();
         assert!(s.store(sid(1), toks.clone(), state(10), t0));
         assert!(s.store(sid(2), toks.clone(), state(10), t0 + Duration::from_secs(1)));
@@ -294,7 +294,7 @@ mod tests {
     #[test]
     fn a_state_over_the_limit_is_not_kept() {
         let now = Instant::now();
-        let mut s = SessionStore::new(StoreLimits { max_bytes: 10, lease: Duration::from_secs(60) });
+        let mut s = PrefixStore::new(StoreLimits { max_bytes: 10, lease: Duration::from_secs(60) });
         assert!(!s.store(sid(1), vec![1, 2, 3], state(3), now));
         assert_eq!(s.stats().sessions, 0);
     }

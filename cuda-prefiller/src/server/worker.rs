@@ -72,7 +72,8 @@ impl JobDone {
     }
 }
 
-pub struct Job {
+/// One request's prefill, queued for the compute worker.
+pub struct PrefillJob {
     pub request: u64,
     pub tokens: Vec<u32>,
     pub overrides: Option<EmbeddingOverrides>,
@@ -102,14 +103,14 @@ pub struct WorkerOptions {
     /// Told when a job starts computing.
     pub meter: Option<Arc<crate::server::cost::CostMeter>>,
     /// Counts the weight passes.
-    pub metrics: Option<Arc<crate::server::ServerMetrics>>,
+    pub metrics: Option<Arc<crate::server::metrics::ServerMetrics>>,
 }
 
 /// Starts the worker thread; it ends when every job sender is dropped and the queue is empty.
-pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) -> std::io::Result<(std::sync::mpsc::Sender<Job>, std::thread::JoinHandle<()>)> {
-    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) -> std::io::Result<(std::sync::mpsc::Sender<PrefillJob>, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = std::sync::mpsc::channel::<PrefillJob>();
     let h = std::thread::Builder::new().name("prefill-compute".into()).spawn(move || {
-        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut waiting: VecDeque<PrefillJob> = VecDeque::new();
         loop {
             if waiting.is_empty() {
                 match rx.recv() {
@@ -129,7 +130,7 @@ pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) ->
 }
 
 /// The next pass: the oldest waiting job, then the following ones while they fit the budget.
-fn take_pass<B: Backend>(model: &Model<B>, opts: &WorkerOptions, waiting: &mut VecDeque<Job>) -> Vec<Job> {
+fn take_pass<B: Backend>(model: &Model<B>, opts: &WorkerOptions, waiting: &mut VecDeque<PrefillJob>) -> Vec<PrefillJob> {
     let mut pass = Vec::new();
     let mut bytes = 0u64;
     while let Some(j) = waiting.front() {
@@ -143,7 +144,7 @@ fn take_pass<B: Backend>(model: &Model<B>, opts: &WorkerOptions, waiting: &mut V
     pass
 }
 
-fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: Vec<Job>) {
+fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: Vec<PrefillJob>) {
     let mut live = Vec::with_capacity(jobs.len());
     for job in jobs {
         let queue_s = job.queued_at.elapsed().as_secs_f64();
@@ -187,7 +188,7 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
     let mut senders = Vec::with_capacity(count);
     let mut cancels = Vec::with_capacity(count);
     for (j, queue_s) in live {
-        let Job { request: _, tokens, overrides, state, layers, done, cancel, queued_at: _ } = j;
+        let PrefillJob { request: _, tokens, overrides, state, layers, done, cancel, queued_at: _ } = j;
         meta.push((done, queue_s));
         states.push(state);
         inputs.push((tokens, overrides));
