@@ -105,12 +105,23 @@ pub struct Args {
     pub vision_pos: Option<usize>,
 }
 
+/// A byte size argument that does not parse (the text as given).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("bad size {0:?}")]
+    Number(String),
+    #[error("unknown size unit {unit:?} in {text:?}")]
+    Unit { unit: String, text: String },
+    #[error("size {0:?} out of range")]
+    Range(String),
+}
+
 /// Parses `123`, `5GB`, `1.5GiB`, `512MiB`, `64KB` into bytes.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let n: f64 = num.parse().map_err(|_| SizeError::Number(s.to_string()))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kb" | "k" => 1e3,
@@ -121,11 +132,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mib" => 1024f64.powi(2),
         "gib" => 1024f64.powi(3),
         "tib" => 1024f64.powi(4),
-        u => return Err(format!("unknown size unit {u:?} in {s:?}")),
+        u => return Err(SizeError::Unit { unit: u.to_string(), text: s.to_string() }),
     };
     let v = n * mult;
     if !(v >= 1.0 && v < 1.8e19) {
-        return Err(format!("size {s:?} out of range"));
+        return Err(SizeError::Range(s.to_string()));
     }
     Ok(v as u64)
 }

@@ -19,27 +19,46 @@ pub mod profile;
 pub use backend::{Bf16Parts, CudaBackend, Precision, SPLIT_GEMM_MIN_ROWS};
 pub use gpu::{DevMem, Gpu, PinnedBuf};
 
-/// Why no CUDA device can be used, or the device's name and compute capability.
-pub fn probe() -> Result<String, String> {
+/// Why no CUDA device can be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProbeError {
+    #[error("the NVIDIA driver library (libcuda.so) was not found: no NVIDIA GPU driver on this machine")]
+    NoDriver,
+    #[error("NVRTC (libnvrtc.so) was not found: install the CUDA runtime compiler library")]
+    NoNvrtc,
+    #[error("cuBLAS (libcublas.so) was not found: install the CUDA cuBLAS library")]
+    NoCublas,
+    #[error("CUDA driver present but unusable: {0}")]
+    Driver(cudarc::driver::DriverError),
+    #[error("the CUDA driver reports no GPU")]
+    NoGpu,
+    #[error("cannot open GPU 0: {0}")]
+    Open(cudarc::driver::DriverError),
+    #[error("cannot read the compute capability: {0}")]
+    ComputeCapability(cudarc::driver::DriverError),
+}
+
+/// The device's name and compute capability, or why no CUDA device can be used.
+pub fn probe() -> Result<String, ProbeError> {
     // SAFETY: these only try to dlopen the libraries.
     unsafe {
         if !cudarc::driver::sys::is_culib_present() {
-            return Err("the NVIDIA driver library (libcuda.so) was not found: no NVIDIA GPU driver on this machine".into());
+            return Err(ProbeError::NoDriver);
         }
         if !cudarc::nvrtc::sys::is_culib_present() {
-            return Err("NVRTC (libnvrtc.so) was not found: install the CUDA runtime compiler library".into());
+            return Err(ProbeError::NoNvrtc);
         }
         if !cudarc::cublas::sys::is_culib_present() {
-            return Err("cuBLAS (libcublas.so) was not found: install the CUDA cuBLAS library".into());
+            return Err(ProbeError::NoCublas);
         }
     }
-    let n = cudarc::driver::CudaContext::device_count().map_err(|e| format!("CUDA driver present but unusable: {e}"))?;
+    let n = cudarc::driver::CudaContext::device_count().map_err(ProbeError::Driver)?;
     if n < 1 {
-        return Err("the CUDA driver reports no GPU".into());
+        return Err(ProbeError::NoGpu);
     }
-    let ctx = cudarc::driver::CudaContext::new(0).map_err(|e| format!("cannot open GPU 0: {e}"))?;
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(ProbeError::Open)?;
     let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-    let (ma, mi) = ctx.compute_capability().map_err(|e| format!("cannot read the compute capability: {e}"))?;
+    let (ma, mi) = ctx.compute_capability().map_err(ProbeError::ComputeCapability)?;
     Ok(format!("{name} (sm_{ma}{mi})"))
 }
 
