@@ -165,7 +165,7 @@ impl StateAssembler {
         if !layout.parts().contains(&h.part) {
             return Err(WireError::NoSuchPart { layer: h.layer, part: h.part });
         }
-        let size = layout.part_bytes(h.part).ok_or_else(|| WireError::Layout(format!("layer {li} size overflows")))?;
+        let size = layout.part_bytes(h.part).ok_or(WireError::LayerSizeOverflow { layer: li })?;
         let end = h.offset.checked_add(h.len as u64);
         let layer_bytes = layout.nbytes().unwrap_or(u64::MAX);
         let empty_marker = h.len == 0 && h.offset == 0 && layer_bytes == 0 && h.part == layout.parts()[0];
@@ -193,7 +193,7 @@ impl StateAssembler {
             self.open_bytes += layer_bytes;
         }
         let Slot::Open { state, received, remaining } = &mut self.slots[li] else {
-            return Err(WireError::Layout(format!("layer {li}: slot in an impossible state")));
+            return Err(WireError::SlotState { layer: li });
         };
         if h.len > 0 {
             let set = &mut received.iter_mut().find(|(p, _)| *p == h.part).ok_or(WireError::NoSuchPart { layer: h.layer, part: h.part })?.1;
@@ -216,7 +216,7 @@ impl StateAssembler {
         self.totals.bytes += h.len as u64;
         if *remaining == 0 {
             let Slot::Open { state, .. } = std::mem::replace(&mut self.slots[li], Slot::Done) else {
-                return Err(WireError::Layout(format!("layer {li}: slot in an impossible state")));
+                return Err(WireError::SlotState { layer: li });
             };
             self.open -= 1;
             self.open_bytes -= layer_bytes;

@@ -41,8 +41,16 @@ pub enum WireError {
     Incomplete(String),
     #[error("totals differ: the sender says {what} {said}, received {got}")]
     TotalsMismatch { what: &'static str, said: u64, got: u64 },
-    #[error("bad state layout: {0}")]
-    Layout(String),
+    #[error("bad state layout: layer {layer} size overflows")]
+    LayerSizeOverflow { layer: usize },
+    #[error("bad state layout: layer {layer}: slot in an impossible state")]
+    SlotState { layer: usize },
+    #[error("bad state layout: state size overflows u64")]
+    StateSizeOverflow,
+    #[error("bad state layout: state of {bytes} bytes exceeds the limit of {limit}")]
+    StateTooLarge { bytes: u64, limit: u64 },
+    #[error("bad state layout: MLA layer {layer} has {rows} rows, others {others}")]
+    MlaRows { layer: usize, rows: u64, others: u64 },
     #[error("KDA {part} holds {got} values, the layout wants {want}")]
     KdaPartLength { part: Part, got: usize, want: u64 },
     #[error("KDA heads×head_dim {heads}×{head_dim}, the layout wants {want_heads}×{want_head_dim}")]

@@ -204,15 +204,15 @@ impl StateLayout {
 
     /// Checks sizes for overflow, row counts for agreement, and the total against `max_bytes`.
     pub fn validate(&self, max_bytes: u64) -> Result<u64, WireError> {
-        let total = self.nbytes().ok_or_else(|| WireError::Layout("state size overflows u64".into()))?;
+        let total = self.nbytes().ok_or(WireError::StateSizeOverflow)?;
         if total > max_bytes {
-            return Err(WireError::Layout(format!("state of {total} bytes exceeds the limit of {max_bytes}")));
+            return Err(WireError::StateTooLarge { bytes: total, limit: max_bytes });
         }
         if let Some(r) = self.rows() {
             for (l, ly) in self.layers.iter().enumerate() {
                 if let LayerLayout::Mla { rows, .. } = ly {
                     if *rows != r {
-                        return Err(WireError::Layout(format!("MLA layer {l} has {rows} rows, others {r}")));
+                        return Err(WireError::MlaRows { layer: l, rows: *rows, others: r });
                     }
                 }
             }
