@@ -203,8 +203,28 @@ pub trait Backend: Send + Sync {
     /// One MoE layer's routed experts (MXFP4).
     type Experts: Send + Sync;
 
-    /// Short name (`"cpu"`, `"cuda"`), for logs.
+    /// Short name (`"cpu"`, `"cuda"`), for logs. Callers ask what a backend can do through the
+    /// methods below, never its name or type.
     fn name(&self) -> &'static str;
+
+    /// Tokens per executor chunk when none is given (what suits the backend's memory and GEMM
+    /// sizes): 512 unless the backend says otherwise.
+    fn default_chunk_tokens(&self) -> usize {
+        512
+    }
+
+    /// Whether the weight streamer can feed this backend (`crate::streamer`: weights copied to
+    /// the device while the previous layer computes); one that cannot keeps its weights resident
+    /// or reads them per layer.
+    fn streams_weights(&self) -> bool {
+        false
+    }
+
+    /// Whether an op returns only once its result is computed, so that host times are compute
+    /// times (the CPU reference); false for a device that queues the work (CUDA).
+    fn synchronous(&self) -> bool {
+        true
+    }
 
     // ---- memory -------------------------------------------------------------------------
 

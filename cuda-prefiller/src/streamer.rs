@@ -946,19 +946,9 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
     }
 }
 
-/// Whether `b` is the CUDA backend (the one that streams weights).
-pub fn is_cuda_backend<B: crate::backend::Backend + 'static>(b: &B) -> bool {
-    (b as &dyn std::any::Any).is::<crate::cuda::CudaBackend>()
-}
-
-/// Whether `model` runs on the CUDA backend (the one that streams weights).
-pub fn is_cuda<B: crate::backend::Backend + 'static>(model: &crate::model::Model<B>) -> bool {
-    (model as &dyn std::any::Any).is::<crate::model::Model<crate::cuda::CudaBackend>>()
-}
-
 /// Streamed weights for `model` when its backend is CUDA; an error names the backend otherwise.
 pub fn streamed_weights_for<B: crate::backend::Backend + 'static>(model: &crate::model::Model<B>, opts: &StreamOptions) -> Result<StreamedWeights> {
-    match (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<crate::cuda::CudaBackend>>() {
+    match crate::cuda::cuda_model(model) {
         Some(m) => StreamedWeights::new(m, opts),
         None => bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name()),
     }
@@ -992,7 +982,7 @@ pub fn prefill_many_maybe_streamed<B: crate::backend::Backend + 'static>(
     on_layer: impl FnMut(usize, crate::executor::LayerEvent<'_>) -> Result<()>,
 ) -> Result<(Vec<Result<crate::executor::PrefillOutput>>, Option<StreamStats>)> {
     let Some(sw) = sw else { return Ok((crate::executor::prefill_many_with(model, &mut crate::executor::ModelWeights, reqs, opts, on_layer)?, None)) };
-    let Some(m) = (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<crate::cuda::CudaBackend>>() else {
+    let Some(m) = crate::cuda::cuda_model(model) else {
         bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name())
     };
     let mut feed = sw.feed()?;

@@ -301,7 +301,7 @@ struct ModelRow {
 }
 
 fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>, args: &Args) -> Result<()> {
-    let stream = crate::streamer::is_cuda_backend(&*b) && !args.resident;
+    let stream = b.streams_weights() && !args.resident;
     let model = Model::new(b.clone(), ck.clone(), if stream { WeightPolicy::PerLayer } else { WeightPolicy::Resident })?;
     let sopts = args.stream.options()?;
     let sw = if stream {
@@ -311,7 +311,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
     } else {
         None
     };
-    let cuda = (&*b as &dyn std::any::Any).downcast_ref::<CudaBackend>();
+    let cuda = crate::cuda::cuda_model(&model).map(|m| &*m.backend);
     let rates = match cuda {
         Some(c) => Some(measure_rates(c, &ck, sw.as_ref(), sopts.readers, args.source_probe_gb)?),
         None => None,

@@ -18,7 +18,7 @@ use crate::cli::forward::{BackendChoice, StreamArgs};
 use crate::cpu::CpuBackend;
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
-use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for};
+use crate::streamer::{prefill_maybe_streamed, streamed_weights_for};
 
 /// Arguments of `k3-prefill calibrate`.
 #[derive(clap::Args, Debug)]
@@ -188,12 +188,12 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
     }
     let collector = StatsCollector::new(stats);
     let opts = ExecOptions {
-        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend).min(2048)).max(1),
+        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens().min(2048)).max(1),
         logits: LogitsRows::None,
         moe_observer: Some(MoeObserverRef(collector.clone())),
         ..Default::default()
     };
-    let streamed = if is_cuda(&model) { Some(streamed_weights_for(&model, &args.stream.options()?)?) } else { None };
+    let streamed = if model.backend.streams_weights() { Some(streamed_weights_for(&model, &args.stream.options()?)?) } else { None };
     let todo: u64 = prompts[done..].iter().map(|p| p.len() as u64).sum();
     let bar = ProgressBar::new(todo);
     bar.set_style(

@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::cpu::CpuBackend;
 use crate::executor::{ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
-use crate::streamer::{is_cuda, prefill_maybe_streamed, streamed_weights_for, StreamOptions, WeightsFrom};
+use crate::streamer::{prefill_maybe_streamed, streamed_weights_for, StreamOptions, WeightsFrom};
 
 /// Which ops backend runs the forward.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,12 +196,12 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
     };
     let base = state.tokens;
     let opts = ExecOptions {
-        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend)).max(1),
+        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens()).max(1),
         logits: LogitsRows::All,
         trace_last: args.dump_hidden,
         ..Default::default()
     };
-    let streamed = if is_cuda(&model) && !args.sync_weights {
+    let streamed = if model.backend.streams_weights() && !args.sync_weights {
         Some(streamed_weights_for(&model, &args.stream.options()?)?)
     } else {
         if args.stream.given() {

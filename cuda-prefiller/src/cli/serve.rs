@@ -37,6 +37,10 @@ pub enum ServeBackend {
     Cpu,
 }
 
+/// `--weights auto` keeps a checkpoint under this many bytes resident; a larger one is streamed
+/// (CUDA) or read per layer (CPU).
+pub const RESIDENT_MAX_BYTES: u64 = 8_000_000_000;
+
 /// Weight residency.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Weights {
@@ -222,11 +226,11 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     let fingerprint = ck.fingerprint();
     let state_identity = ck.state_identity();
     let total_bytes: u64 = ck.total_bytes();
-    let cuda = backend.name() == "cuda";
+    let streams = backend.streams_weights();
     let stream = match args.weights {
-        Weights::Streamed if !cuda => bail!("--weights streamed needs the CUDA backend (this node runs on {})", backend.name()),
+        Weights::Streamed if !streams => bail!("--weights streamed needs the CUDA backend (this node runs on {})", backend.name()),
         Weights::Streamed => true,
-        Weights::Auto => cuda && (total_bytes >= 8_000_000_000 || args.stream.given()),
+        Weights::Auto => streams && (total_bytes >= RESIDENT_MAX_BYTES || args.stream.given()),
         Weights::Resident | Weights::PerLayer => false,
     };
     if args.stream.given() && !stream {
@@ -234,14 +238,14 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     }
     let policy = match args.weights {
         Weights::Resident => WeightPolicy::Resident,
-        Weights::Auto if !stream && total_bytes < 8_000_000_000 => WeightPolicy::Resident,
+        Weights::Auto if !stream && total_bytes < RESIDENT_MAX_BYTES => WeightPolicy::Resident,
         _ => WeightPolicy::PerLayer,
     };
     let t0 = std::time::Instant::now();
     let name = backend.name().to_string();
     let model = Model::new(backend, ck, policy).context("loading the model")?;
     let mut opts = args.options();
-    opts.chunk_tokens = args.chunk_tokens.unwrap_or_else(|| crate::cuda::default_chunk_tokens(&*model.backend)).max(1);
+    opts.chunk_tokens = args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens()).max(1);
     if stream {
         opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
     }

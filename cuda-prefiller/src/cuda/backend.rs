@@ -538,6 +538,23 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    /// 16384 on a GPU with at least 64 GiB (large GEMMs, and enough rows per routed expert for
+    /// the dense expert path), 4096 on smaller GPUs (a 32 GB card also holds the weight slots).
+    fn default_chunk_tokens(&self) -> usize {
+        match self.gpu.mem_info() {
+            Ok((_, total)) if total >= 64 << 30 => 16384,
+            _ => 4096,
+        }
+    }
+
+    fn streams_weights(&self) -> bool {
+        true
+    }
+
+    fn synchronous(&self) -> bool {
+        false
+    }
+
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "uploads, downloads")?;
         ensure!(data.len() == rows * cols, "upload: {} values for [{rows}, {cols}]", data.len());

@@ -62,17 +62,11 @@ pub fn probe() -> Result<String, ProbeError> {
     Ok(format!("{name} (sm_{ma}{mi})"))
 }
 
-/// Tokens per executor chunk when none is given: 16384 on a GPU with at least 64 GiB (large
-/// GEMMs, and enough rows per routed expert for the dense expert path), 4096 on smaller GPUs
-/// (a 32 GB card also holds the weight slots), 512 on the CPU reference.
-pub fn default_chunk_tokens<B: crate::backend::Backend + 'static>(b: &B) -> usize {
-    match (b as &dyn std::any::Any).downcast_ref::<CudaBackend>() {
-        Some(c) => match c.gpu.mem_info() {
-            Ok((_, total)) if total >= 64 << 30 => 16384,
-            _ => 4096,
-        },
-        None => 512,
-    }
+/// `model` as the CUDA model it is when its backend is CUDA: the one place where generic code
+/// reaches CUDA-only code (the weight streamer, `bench`'s device rates). Ask
+/// [`crate::backend::Backend`]'s capability methods for anything else.
+pub fn cuda_model<B: crate::backend::Backend + 'static>(model: &crate::model::Model<B>) -> Option<&crate::model::Model<CudaBackend>> {
+    (model as &dyn std::any::Any).downcast_ref::<crate::model::Model<CudaBackend>>()
 }
 
 /// True when [`probe`] succeeds.

@@ -263,7 +263,7 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
     if let Some(m) = &opts.metrics {
         m.weight_pass(count, weights.as_ref());
     }
-    let host_timed = !crate::streamer::is_cuda_backend(&*model.backend);
+    let host_timed = model.backend.synchronous();
     let mut results: Vec<(Option<HandoffState>, anyhow::Result<Vec<f32>>, Vec<(usize, f64)>)> = Vec::with_capacity(count);
     match res {
         Ok(Ok((outs, _))) => {
