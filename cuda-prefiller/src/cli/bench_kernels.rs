@@ -187,8 +187,10 @@ fn mla_times(b: &CudaBackend, t: usize, reps: usize) -> Result<(f64, f64)> {
             }
         }
     }
+    let (kvs, (dn, dr)) = (h * (128 + dv), (128, 64));
+    let operands = kk::MlaOperands { q: qf.ptr(), qs: h * dqk, kv: kvf.ptr(), kvs, kpe: kpe.ptr(), kps: 64, tq: t, pos0: 0, h, dn, dr, dv };
     for kern in kernels_run {
-        let packed = kk::mla_pack(&g, kern, qf.ptr(), h * dqk, kvf.ptr(), h * (128 + dv), kpe.ptr(), 64, t, 0, h, 128, 64, dv)?;
+        let packed = kk::mla_pack(&g, kern, &operands)?;
         let out = b.empty(t, h * dv)?;
         let mut times = Vec::new();
         for rep in 0..=reps {

@@ -815,11 +815,13 @@ impl Backend for CudaBackend {
         let kpe = cache.ptr() + (dims.kv_lora * 4) as u64;
         let out = self.empty(tq, h * dims.v)?;
         let (dqk, dv) = (dims.qk(), dims.v);
+        let (dn, dr) = (dims.nope, dims.rope);
+        let m = k::MlaOperands { q: q.ptr(), qs: q.cols, kv: kv.ptr(), kvs: kvw, kpe, kps: cache.cols, tq, pos0, h, dn, dr, dv };
         if self.parts.attn && k::mla_bf16_supported(dqk, dv) {
-            let packed = k::mla_pack(&self.gpu, self.mla_kernel, q.ptr(), q.cols, kv.ptr(), kvw, kpe, cache.cols, tq, pos0, h, dims.nope, dims.rope, dv)?;
+            let packed = k::mla_pack(&self.gpu, self.mla_kernel, &m)?;
             k::mla_attn_packed(&self.gpu, &packed, out.ptr(), h * dv, dims.scale())?;
         } else {
-            k::mla_attn_f32(&self.gpu, q.ptr(), q.cols, kv.ptr(), kvw, kpe, cache.cols, out.ptr(), h * dv, tq, pos0, h, dims.nope, dims.rope, dv, dims.scale())?;
+            k::mla_attn_f32(&self.gpu, &m, out.ptr(), h * dv, dims.scale())?;
         }
         Ok(out)
     }

@@ -431,44 +431,45 @@ pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, 
 
 // ---- MLA ---------------------------------------------------------------------------------
 
-#[allow(clippy::too_many_arguments)]
-pub fn mla_attn_f32(
-    gpu: &Gpu,
-    q: P,
-    qs: usize,
-    kv: P,
-    kvs: usize,
-    kpe: P,
-    kps: usize,
-    out: P,
-    os: usize,
-    tq: usize,
-    pos0: usize,
-    h: usize,
-    dn: usize,
-    dr: usize,
-    dv: usize,
-    scale: f32,
-) -> Result<()> {
+/// The f32 operands of one causal MLA attention call: q (`[tq][h*(dn+dr)]`, row stride `qs`),
+/// the expanded k/v rows (`kv [tk][h*(dn+dv)]`, stride `kvs`) and the shared rope key rows
+/// (`kpe`, stride `kps`), for `tk = pos0 + tq` key positions.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaOperands {
+    pub q: P,
+    pub qs: usize,
+    pub kv: P,
+    pub kvs: usize,
+    pub kpe: P,
+    pub kps: usize,
+    pub tq: usize,
+    pub pos0: usize,
+    pub h: usize,
+    pub dn: usize,
+    pub dr: usize,
+    pub dv: usize,
+}
+
+pub fn mla_attn_f32(gpu: &Gpu, m: &MlaOperands, out: P, os: usize, scale: f32) -> Result<()> {
     let f = gpu.func("mla_attn", &[], "mla_attn_f32")?;
     let nt = 128usize;
-    let smem = ((dn + dr + dv + nt) * 4) as u32;
+    let smem = ((m.dn + m.dr + m.dv + nt) * 4) as u32;
     let mut a = KArgs::new()
-        .arg(q)
-        .arg(qs as i64)
-        .arg(kv)
-        .arg(kvs as i64)
-        .arg(kpe)
-        .arg(kps as i64)
+        .arg(m.q)
+        .arg(m.qs as i64)
+        .arg(m.kv)
+        .arg(m.kvs as i64)
+        .arg(m.kpe)
+        .arg(m.kps as i64)
         .arg(out)
         .arg(os as i64)
-        .arg(pos0 as i32)
-        .arg(h as i32)
-        .arg(dn as i32)
-        .arg(dr as i32)
-        .arg(dv as i32)
+        .arg(m.pos0 as i32)
+        .arg(m.h as i32)
+        .arg(m.dn as i32)
+        .arg(m.dr as i32)
+        .arg(m.dv as i32)
         .arg(scale);
-    gpu.launch(f, (tq as u32, h as u32, 1), (nt as u32, 1, 1), smem, &mut a, "mla_attn_f32")
+    gpu.launch(f, (m.tq as u32, m.h as u32, 1), (nt as u32, 1, 1), smem, &mut a, "mla_attn_f32")
 }
 
 fn mla_defines(dqk: usize, dv: usize) -> Vec<String> {
@@ -661,25 +662,9 @@ pub struct MlaPacked {
     pub dv: usize,
 }
 
-/// Packs q (`[tq][h*(dn+dr)]`, row stride `qs`), k/v (`kv [tk][h*(dn+dv)]` + the shared `kpe` rows) for
-/// `kernel` (resolved on `gpu`). `tk = pos0 + tq`.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_pack(
-    gpu: &Arc<Gpu>,
-    kernel: MlaKernel,
-    q: P,
-    qs: usize,
-    kv: P,
-    kvs: usize,
-    kpe: P,
-    kps: usize,
-    tq: usize,
-    pos0: usize,
-    h: usize,
-    dn: usize,
-    dr: usize,
-    dv: usize,
-) -> Result<MlaPacked> {
+/// Packs the operands `m` for `kernel` (resolved on `gpu`).
+pub fn mla_pack(gpu: &Arc<Gpu>, kernel: MlaKernel, m: &MlaOperands) -> Result<MlaPacked> {
+    let &MlaOperands { q, qs, kv, kvs, kpe, kps, tq, pos0, h, dn, dr, dv } = m;
     let (dqk, tk) = (dn + dr, pos0 + tq);
     let kernel = kernel.resolve(gpu, dqk, dv)?;
     let qb = gpu.alloc(tq * h * dqk * 2)?;
@@ -780,73 +765,36 @@ pub fn expert_gemm(
         bail!("expert GEMM: {max_tiles} row tiles exceed the grid limit; split the batch");
     }
     let stream = stream.unwrap_or(gpu.stream());
+    // Three kernels, one argument list: the f32 kernel takes both matrices and the `fused` flag,
+    // the bf16 gate/up kernel both matrices, the bf16 down kernel one matrix and no SiTU bounds.
+    let (name, tile_n) = match (bf16, fused) {
+        (false, _) => ("expert_gemm_f32".to_string(), 32),
+        (true, true) => (format!("expert_gateup_bf16{variant}"), 64),
+        (true, false) => (format!("expert_down_bf16{variant}"), 128),
+    };
+    let two_mats = fused || !bf16;
+    let f = gpu.func("moe_gemm", &[], &name)?;
+    let mut a = KArgs::new()
+        .arg(x)
+        .arg(tile_expert)
+        .arg(tile_row0)
+        .arg(tile_count)
+        .arg(offsets)
+        .arg(wbase)
+        .arg(estride as i64)
+        .arg(m1.packed as i64)
+        .arg(m1.scale as i64);
+    if two_mats {
+        a = a.arg(m2.packed as i64).arg(m2.scale as i64);
+    }
     if !bf16 {
-        let f = gpu.func("moe_gemm", &[], "expert_gemm_f32")?;
-        let mut a = KArgs::new()
-            .arg(x)
-            .arg(tile_expert)
-            .arg(tile_row0)
-            .arg(tile_count)
-            .arg(offsets)
-            .arg(wbase)
-            .arg(estride as i64)
-            .arg(m1.packed as i64)
-            .arg(m1.scale as i64)
-            .arg(m2.packed as i64)
-            .arg(m2.scale as i64)
-            .arg(fused as i32)
-            .arg(e_lo as i32)
-            .arg(e_hi as i32)
-            .arg(n as i32)
-            .arg(k as i32)
-            .arg(out)
-            .arg(b1)
-            .arg(b2);
-        return gpu.launch_on(stream, f, (blocks(n, 32)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, "expert_gemm_f32");
+        a = a.arg(fused as i32);
     }
-    if fused {
-        let name = format!("expert_gateup_bf16{variant}");
-        let f = gpu.func("moe_gemm", &[], &name)?;
-        let mut a = KArgs::new()
-            .arg(x)
-            .arg(tile_expert)
-            .arg(tile_row0)
-            .arg(tile_count)
-            .arg(offsets)
-            .arg(wbase)
-            .arg(estride as i64)
-            .arg(m1.packed as i64)
-            .arg(m1.scale as i64)
-            .arg(m2.packed as i64)
-            .arg(m2.scale as i64)
-            .arg(e_lo as i32)
-            .arg(e_hi as i32)
-            .arg(n as i32)
-            .arg(k as i32)
-            .arg(out)
-            .arg(b1)
-            .arg(b2);
-        gpu.launch_on(stream, f, (blocks(n, 64)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
-    } else {
-        let name = format!("expert_down_bf16{variant}");
-        let f = gpu.func("moe_gemm", &[], &name)?;
-        let mut a = KArgs::new()
-            .arg(x)
-            .arg(tile_expert)
-            .arg(tile_row0)
-            .arg(tile_count)
-            .arg(offsets)
-            .arg(wbase)
-            .arg(estride as i64)
-            .arg(m1.packed as i64)
-            .arg(m1.scale as i64)
-            .arg(e_lo as i32)
-            .arg(e_hi as i32)
-            .arg(n as i32)
-            .arg(k as i32)
-            .arg(out);
-        gpu.launch_on(stream, f, (blocks(n, 128)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
+    a = a.arg(e_lo as i32).arg(e_hi as i32).arg(n as i32).arg(k as i32).arg(out);
+    if two_mats {
+        a = a.arg(b1).arg(b2);
     }
+    gpu.launch_on(stream, f, (blocks(n, tile_n)?, max_tiles as u32, 1), (256, 1, 1), 0, &mut a, &name)
 }
 
 /// Exact BF16 copy of one MXFP4 matrix (`rows` x `k`, at `m` in each slot) of `n_experts`
