@@ -127,6 +127,34 @@ impl KdaDims {
     }
 }
 
+/// The per-row inputs of the KDA delta rule (spec §3.4): `q, k, v, g: [rows, H·D]` (q, k
+/// L2-normed, q scaled), `beta [rows, H]`.
+pub struct KdaInputs<'a, B> {
+    pub q: &'a B,
+    pub k: &'a B,
+    pub v: &'a B,
+    pub g: &'a B,
+    pub beta: &'a B,
+}
+
+impl<B: DeviceBuf> KdaInputs<'_, B> {
+    /// Rows of the inputs.
+    pub fn rows(&self) -> usize {
+        self.q.rows()
+    }
+    /// Checks the shapes against `dims` (and the state `[H, D·D]`); the error names `op` and the tensor.
+    pub fn check(&self, op: &str, state: &B, dims: KdaDims) -> OpResult<()> {
+        let (t, w) = (self.rows(), dims.width());
+        for (n, x) in [("q", self.q), ("k", self.k), ("v", self.v), ("g", self.g)] {
+            anyhow::ensure!(x.rows() == t && x.cols() == w, "{op}: {n} is [{}, {}], expected [{t}, {w}]", x.rows(), x.cols());
+        }
+        let beta = self.beta;
+        anyhow::ensure!(beta.rows() == t && beta.cols() == dims.heads, "{op}: beta is [{}, {}], expected [{t}, {}]", beta.rows(), beta.cols(), dims.heads);
+        anyhow::ensure!(state.len() == dims.state_len(), "{op}: state holds {} values, expected {}", state.len(), dims.state_len());
+        Ok(())
+    }
+}
+
 /// MLA geometry (spec §3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaDims {
@@ -312,35 +340,14 @@ pub trait Backend: Send + Sync {
         dims: KdaDims,
         lower_bound: Option<f32>,
     ) -> OpResult<Self::Buf>;
-    /// Delta-rule recurrence over the rows, chunked form (spec §3.4) with chunk length `chunk`
-    /// (64; any row count, the last chunk may be partial). `q, k, v, g: [rows, H·D]` (q, k
-    /// L2-normed, q scaled), `beta [rows, H]`; `state [H, D·D]` is `S[h, k, v]`, read as the
-    /// initial state and overwritten with the final one. Returns `o [rows, H·D]`.
-    #[allow(clippy::too_many_arguments)]
-    fn kda_chunked(
-        &self,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        g: &Self::Buf,
-        beta: &Self::Buf,
-        state: &mut Self::Buf,
-        dims: KdaDims,
-        chunk: usize,
-    ) -> OpResult<Self::Buf>;
+    /// Delta-rule recurrence over the rows of `x`, chunked form (spec §3.4) with chunk length
+    /// `chunk` (64; any row count, the last chunk may be partial). `state [H, D·D]` is
+    /// `S[h, k, v]`, read as the initial state and overwritten with the final one. Returns
+    /// `o [rows, H·D]`.
+    fn kda_chunked(&self, x: &KdaInputs<'_, Self::Buf>, state: &mut Self::Buf, dims: KdaDims, chunk: usize) -> OpResult<Self::Buf>;
     /// The same recurrence token by token (spec §3.3 step 7; decode). Same layouts as
     /// [`Backend::kda_chunked`].
-    #[allow(clippy::too_many_arguments)]
-    fn kda_recurrent(
-        &self,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        g: &Self::Buf,
-        beta: &Self::Buf,
-        state: &mut Self::Buf,
-        dims: KdaDims,
-    ) -> OpResult<Self::Buf>;
+    fn kda_recurrent(&self, x: &KdaInputs<'_, Self::Buf>, state: &mut Self::Buf, dims: KdaDims) -> OpResult<Self::Buf>;
     /// KDA output gate + norm, per head: `RMSNorm_D(o_h; eps) ⊙ w ⊙ σ(gate_h)`, `w [1, D]`
     /// shared by all heads; `o, gate: [rows, H·D]`.
     fn gated_rms_norm(

@@ -3,7 +3,7 @@
 
 mod cuda_util;
 
-use cuda_prefiller::backend::{Backend, KdaDims};
+use cuda_prefiller::backend::{Backend, KdaDims, KdaInputs};
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::cuda::Precision;
 use cuda_util::*;
@@ -39,7 +39,8 @@ fn run<B: Backend>(b: &B, inp: &Inputs, t: usize, d: KdaDims, chunked: bool) -> 
     let g = b.upload(&inp.g, t, c).unwrap();
     let beta = b.upload(&inp.beta, t, d.heads).unwrap();
     let mut s = b.upload(&inp.s0, d.heads, d.head_dim * d.head_dim).unwrap();
-    let o = if chunked { b.kda_chunked(&q, &k, &v, &g, &beta, &mut s, d, 64).unwrap() } else { b.kda_recurrent(&q, &k, &v, &g, &beta, &mut s, d).unwrap() };
+    let x = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
+    let o = if chunked { b.kda_chunked(&x, &mut s, d, 64).unwrap() } else { b.kda_recurrent(&x, &mut s, d).unwrap() };
     (b.download(&o).unwrap(), b.download(&s).unwrap())
 }
 
@@ -99,7 +100,7 @@ fn cuda_kda_split_equals_oneshot() {
     let mut o = Vec::new();
     for (r0, r1) in [(0, p1), (p1, t)] {
         let out = b
-            .kda_chunked(&up(&inp.q, r0, r1, c), &up(&inp.k, r0, r1, c), &up(&inp.v, r0, r1, c), &up(&inp.g, r0, r1, c), &up(&inp.beta, r0, r1, d.heads), &mut s, d, 64)
+            .kda_chunked(&KdaInputs { q: &up(&inp.q, r0, r1, c), k: &up(&inp.k, r0, r1, c), v: &up(&inp.v, r0, r1, c), g: &up(&inp.g, r0, r1, c), beta: &up(&inp.beta, r0, r1, d.heads) }, &mut s, d, 64)
             .unwrap();
         o.extend(b.download(&out).unwrap());
     }

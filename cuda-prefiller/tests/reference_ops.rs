@@ -6,7 +6,7 @@
 mod common;
 
 use common::rel;
-use cuda_prefiller::backend::{Backend, KdaDims, MlaDims, MlaForm};
+use cuda_prefiller::backend::{Backend, KdaDims, KdaInputs, MlaDims, MlaForm};
 use cuda_prefiller::cpu::{attn_res, conv, kda, mla, moe, norm, CpuBackend};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -15,7 +15,7 @@ fn randn(rng: &mut StdRng, n: usize, s: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.gen::<f32>() * 2.0 - 1.0) * s * 1.7).collect()
 }
 
-struct KdaInputs {
+struct KdaSample {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -24,7 +24,7 @@ struct KdaInputs {
     s0: Vec<f32>,
 }
 
-fn kda_inputs(seed: u64, rows: usize, heads: usize, d: usize) -> KdaInputs {
+fn kda_inputs(seed: u64, rows: usize, heads: usize, d: usize) -> KdaSample {
     let mut rng = StdRng::seed_from_u64(seed);
     let w = heads * d;
     let mut q = randn(&mut rng, rows * w, 1.0);
@@ -38,11 +38,11 @@ fn kda_inputs(seed: u64, rows: usize, heads: usize, d: usize) -> KdaInputs {
     let g = kda::kda_gate(&z, &a_log, &dt, heads, d, Some(-5.0));
     let beta: Vec<f32> = randn(&mut rng, rows * heads, 2.0).iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
     let s0 = randn(&mut rng, heads * d * d, 0.3);
-    KdaInputs { q, k, v, g, beta, s0 }
+    KdaSample { q, k, v, g, beta, s0 }
 }
 
 /// The recurrence exactly as spec §3.3 writes it, in f64, one head at a time.
-fn naive_kda(x: &KdaInputs, heads: usize, d: usize) -> (Vec<f64>, Vec<f64>) {
+fn naive_kda(x: &KdaSample, heads: usize, d: usize) -> (Vec<f64>, Vec<f64>) {
     let rows = x.beta.len() / heads;
     let w = heads * d;
     let mut o = vec![0.0f64; rows * w];
@@ -110,20 +110,20 @@ fn kda_through_the_backend_splits_like_one_shot() {
     let w = heads * d;
     let mut s1 = b.upload(&x.s0, heads, d * d).unwrap();
     let one = b
-        .kda_chunked(&up(&x.q, 0, rows, w), &up(&x.k, 0, rows, w), &up(&x.v, 0, rows, w), &up(&x.g, 0, rows, w), &up(&x.beta, 0, rows, heads), &mut s1, dims, 64)
+        .kda_chunked(&KdaInputs { q: &up(&x.q, 0, rows, w), k: &up(&x.k, 0, rows, w), v: &up(&x.v, 0, rows, w), g: &up(&x.g, 0, rows, w), beta: &up(&x.beta, 0, rows, heads) }, &mut s1, dims, 64)
         .unwrap();
     let mut s2 = b.upload(&x.s0, heads, d * d).unwrap();
     let mut parts = Vec::new();
     for (r0, n) in [(0, 70), (70, 63)] {
         let o = b
-            .kda_chunked(&up(&x.q, r0, n, w), &up(&x.k, r0, n, w), &up(&x.v, r0, n, w), &up(&x.g, r0, n, w), &up(&x.beta, r0, n, heads), &mut s2, dims, 64)
+            .kda_chunked(&KdaInputs { q: &up(&x.q, r0, n, w), k: &up(&x.k, r0, n, w), v: &up(&x.v, r0, n, w), g: &up(&x.g, r0, n, w), beta: &up(&x.beta, r0, n, heads) }, &mut s2, dims, 64)
             .unwrap();
         parts.extend(b.download(&o).unwrap());
     }
     assert!(rel(&parts, &one.data) <= 1e-5);
     assert!(rel(&s2.data, &s1.data) <= 1e-5);
     // Wrong shapes are errors, not panics.
-    assert!(b.kda_chunked(&up(&x.q, 0, 3, w), &up(&x.k, 0, 2, w), &up(&x.v, 0, 3, w), &up(&x.g, 0, 3, w), &up(&x.beta, 0, 3, heads), &mut s2, dims, 64).is_err());
+    assert!(b.kda_chunked(&KdaInputs { q: &up(&x.q, 0, 3, w), k: &up(&x.k, 0, 2, w), v: &up(&x.v, 0, 3, w), g: &up(&x.g, 0, 3, w), beta: &up(&x.beta, 0, 3, heads) }, &mut s2, dims, 64).is_err());
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, KdaInputs};
 use crate::cuda::{CudaBackend, Precision};
 
 #[derive(Serialize)]
@@ -122,7 +122,7 @@ pub fn run(args: &KernelBench) -> Result<()> {
             let e0 = g.event()?;
             let e1 = g.event()?;
             e0.record(g.stream())?;
-            let o = b.kda_chunked(&q, &k, &v, &gg, &beta, &mut s, kd, 64)?;
+            let o = b.kda_chunked(&KdaInputs { q: &q, k: &k, v: &v, g: &gg, beta: &beta }, &mut s, kd, 64)?;
             e1.record(g.stream())?;
             e1.sync()?;
             drop(o);

@@ -13,7 +13,7 @@ pub mod norm;
 use anyhow::{bail, ensure};
 
 use crate::backend::{
-    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
+    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
 
 /// A row-major f32 matrix in host memory: the CPU backend's buffers and weights.
@@ -211,36 +211,19 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn kda_chunked(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        g: &CpuTensor,
-        beta: &CpuTensor,
-        state: &mut CpuTensor,
-        dims: KdaDims,
-        chunk: usize,
-    ) -> OpResult<CpuTensor> {
-        check_kda("kda_chunked", q, k, v, g, beta, state, dims)?;
+    fn kda_chunked(&self, x: &KdaInputs<'_, CpuTensor>, state: &mut CpuTensor, dims: KdaDims, chunk: usize) -> OpResult<CpuTensor> {
+        x.check("kda_chunked", state, dims)?;
         ensure!(chunk > 0, "kda_chunked: chunk length 0");
-        let o = kda::kda_chunked(&q.data, &k.data, &v.data, &g.data, &beta.data, &mut state.data, dims.heads, dims.head_dim, chunk);
-        Ok(CpuTensor { rows: q.rows, cols: q.cols, data: o })
+        let (q, k, v, g, beta) = (&x.q.data, &x.k.data, &x.v.data, &x.g.data, &x.beta.data);
+        let o = kda::kda_chunked(q, k, v, g, beta, &mut state.data, dims.heads, dims.head_dim, chunk);
+        Ok(CpuTensor { rows: x.q.rows, cols: x.q.cols, data: o })
     }
 
-    fn kda_recurrent(
-        &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        g: &CpuTensor,
-        beta: &CpuTensor,
-        state: &mut CpuTensor,
-        dims: KdaDims,
-    ) -> OpResult<CpuTensor> {
-        check_kda("kda_recurrent", q, k, v, g, beta, state, dims)?;
-        let o = kda::kda_recurrent(&q.data, &k.data, &v.data, &g.data, &beta.data, &mut state.data, dims.heads, dims.head_dim);
-        Ok(CpuTensor { rows: q.rows, cols: q.cols, data: o })
+    fn kda_recurrent(&self, x: &KdaInputs<'_, CpuTensor>, state: &mut CpuTensor, dims: KdaDims) -> OpResult<CpuTensor> {
+        x.check("kda_recurrent", state, dims)?;
+        let (q, k, v, g, beta) = (&x.q.data, &x.k.data, &x.v.data, &x.g.data, &x.beta.data);
+        let o = kda::kda_recurrent(q, k, v, g, beta, &mut state.data, dims.heads, dims.head_dim);
+        Ok(CpuTensor { rows: x.q.rows, cols: x.q.cols, data: o })
     }
 
     fn gated_rms_norm(&self, o: &CpuTensor, gate: &CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) -> OpResult<CpuTensor> {
@@ -308,21 +291,4 @@ impl Backend for CpuBackend {
             data: moe::moe_experts(&x_lat.data, routing, &experts.experts, betas.beta, betas.linear_beta),
         })
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn check_kda(op: &str, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, g: &CpuTensor, beta: &CpuTensor, state: &CpuTensor, dims: KdaDims) -> OpResult<()> {
-    for (x, n) in [(q, "q"), (k, "k"), (v, "v"), (g, "g")] {
-        ensure!(
-            x.rows == q.rows && x.cols == dims.width(),
-            "{op}: {n} is [{}, {}], expected [{}, {}]",
-            x.rows,
-            x.cols,
-            q.rows,
-            dims.width()
-        );
-    }
-    ensure!(beta.rows == q.rows && beta.cols == dims.heads, "{op}: beta is [{}, {}], expected [{}, {}]", beta.rows, beta.cols, q.rows, dims.heads);
-    ensure!(state.data.len() == dims.state_len(), "{op}: state holds {} values, expected {}", state.data.len(), dims.state_len());
-    Ok(())
 }

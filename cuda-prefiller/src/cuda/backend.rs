@@ -24,7 +24,7 @@ use super::moe_dense::{self, MoeDenseCfg, MoePath};
 use super::moe_plan::MoePlan;
 use super::profile;
 use crate::backend::{
-    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, MlaDims, MlaForm, OpResult, Routing, SituBetas,
+    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas,
 };
 use crate::expert_layout::ExpertLayout;
 
@@ -719,25 +719,10 @@ impl Backend for CudaBackend {
         Ok(g)
     }
 
-    fn kda_chunked(
-        &self,
-        q: &CudaBuf,
-        kk: &CudaBuf,
-        v: &CudaBuf,
-        g: &CudaBuf,
-        beta: &CudaBuf,
-        state: &mut CudaBuf,
-        dims: KdaDims,
-        chunk: usize,
-    ) -> OpResult<CudaBuf> {
+    fn kda_chunked(&self, x: &KdaInputs<'_, CudaBuf>, state: &mut CudaBuf, dims: KdaDims, chunk: usize) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "KDA recurrence (chunked)")?;
-        let (t, h, d) = (q.rows, dims.heads, dims.head_dim);
-        for (n, b) in [("k", kk), ("v", v), ("g", g)] {
-            ensure!(b.rows == t && b.cols == dims.width(), "kda_chunked: {n} is [{}, {}], expected [{t}, {}]", b.rows, b.cols, dims.width());
-        }
-        ensure!(q.cols == dims.width(), "kda_chunked: q has {} columns", q.cols);
-        ensure!(beta.rows == t && beta.cols == h, "kda_chunked: beta [{}, {}], expected [{t}, {h}]", beta.rows, beta.cols);
-        ensure!(state.len() == dims.state_len(), "kda_chunked: state has {} values, expected {}", state.len(), dims.state_len());
+        x.check("kda_chunked", state, dims)?;
+        let (t, h, d) = (x.rows(), dims.heads, dims.head_dim);
         if chunk != 64 {
             tracing::debug!(chunk, "kda_chunked: the CUDA kernel always uses 64-row chunks (same result)");
         }
@@ -747,7 +732,7 @@ impl Backend for CudaBackend {
         }
         if !k::kda_chunked_supported(&self.gpu, d) {
             // the chunked kernels' tiling (or shared memory) does not fit; the recurrence is the same function
-            return self.kda_recurrent(q, kk, v, g, beta, state, dims);
+            return self.kda_recurrent(x, state, dims);
         }
         let nch_total = t.div_ceil(64);
         let per_chunk = k::kda_ws_floats(d) * h * 4;
@@ -756,30 +741,21 @@ impl Backend for CudaBackend {
         let mut c0 = 0;
         while c0 < nch_total {
             let n = seg.min(nch_total - c0);
-            k::kda_chunk_prep(&self.gpu, q.ptr(), kk.ptr(), g.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
-            k::kda_chunk_solve(&self.gpu, v.ptr(), beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            k::kda_chunk_prep(&self.gpu, x.q.ptr(), x.k.ptr(), x.g.ptr(), x.beta.ptr(), t, h, d, c0, n, ws.ptr)?;
+            k::kda_chunk_solve(&self.gpu, x.v.ptr(), x.beta.ptr(), t, h, d, c0, n, ws.ptr)?;
             k::kda_chunk_scan(&self.gpu, ws.ptr, state.ptr(), out.ptr(), t, h, d, c0, n)?;
             c0 += n;
         }
         Ok(out)
     }
 
-    fn kda_recurrent(
-        &self,
-        q: &CudaBuf,
-        kk: &CudaBuf,
-        v: &CudaBuf,
-        g: &CudaBuf,
-        beta: &CudaBuf,
-        state: &mut CudaBuf,
-        dims: KdaDims,
-    ) -> OpResult<CudaBuf> {
+    fn kda_recurrent(&self, x: &KdaInputs<'_, CudaBuf>, state: &mut CudaBuf, dims: KdaDims) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "KDA recurrence")?;
-        let t = q.rows;
-        ensure!(kk.rows == t && v.rows == t && g.rows == t && beta.rows == t, "kda_recurrent: row counts differ");
-        ensure!(state.len() == dims.state_len(), "kda_recurrent: state has {} values, expected {}", state.len(), dims.state_len());
+        x.check("kda_recurrent", state, dims)?;
+        let t = x.rows();
         let out = self.empty(t, dims.width())?;
-        k::kda_recurrent(&self.gpu, q.ptr(), kk.ptr(), v.ptr(), g.ptr(), beta.ptr(), state.ptr(), out.ptr(), t, dims.heads, dims.head_dim)?;
+        let (q, kk, v, g, beta) = (x.q.ptr(), x.k.ptr(), x.v.ptr(), x.g.ptr(), x.beta.ptr());
+        k::kda_recurrent(&self.gpu, q, kk, v, g, beta, state.ptr(), out.ptr(), t, dims.heads, dims.head_dim)?;
         Ok(out)
     }
 

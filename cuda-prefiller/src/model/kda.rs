@@ -6,7 +6,7 @@ use k3_protocol::handoff::KdaState;
 
 use super::weights::KdaWeights;
 use super::{Misread, ModelDims, KDA_CHUNK, KDA_L2_EPS};
-use crate::backend::Backend;
+use crate::backend::{Backend, KdaInputs};
 
 /// Which form of the delta-rule recurrence to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,9 +78,10 @@ pub fn kda_forward<B: Backend>(
     // 6. write strength.
     let beta = b.sigmoid(&b.gemm(x, &w.b_proj)?)?;
     // 7. delta rule.
+    let inputs = KdaInputs { q: &q, k: &k, v: &v, g: &g, beta: &beta };
     let o = match form {
-        KdaForm::Chunked => b.kda_chunked(&q, &k, &v, &g, &beta, &mut cache.state, dk, KDA_CHUNK)?,
-        KdaForm::Recurrent => b.kda_recurrent(&q, &k, &v, &g, &beta, &mut cache.state, dk)?,
+        KdaForm::Chunked => b.kda_chunked(&inputs, &mut cache.state, dk, KDA_CHUNK)?,
+        KdaForm::Recurrent => b.kda_recurrent(&inputs, &mut cache.state, dk)?,
     };
     // 8–9. gated per-head norm, output projection.
     let r = b.gemm(x, &w.g_proj)?;
