@@ -598,6 +598,34 @@ pub fn prefill_many_with<B: Backend>(
         pass[i] = None;
         errors[i] = Some(e);
     }
+    // Runs `step(cx, chunk, trace)` over request `i`'s token chunks in order (the trace with the
+    // last chunk only), adding each chunk's wall time to the request. The first error drops the
+    // request out of the pass: then, as for a request no longer in the pass, `false`.
+    fn each_chunk<'a, B: Backend + 'a>(
+        pass: &mut [Option<InPass<B>>],
+        errors: &mut [Option<anyhow::Error>],
+        i: usize,
+        cx_of: &impl Fn(&InPass<B>) -> LayerCtx<'a, B>,
+        mut step: impl FnMut(&LayerCtx<'a, B>, &mut ChunkResidual<B>, Option<&mut HiddenTrace>) -> anyhow::Result<()>,
+    ) -> bool {
+        let Some(r) = pass[i].as_mut() else { return false };
+        let cx = cx_of(r);
+        let nchunks = r.chunks.len();
+        let InPass { chunks, trace, chunk_s, .. } = r;
+        let res = chunks.iter_mut().enumerate().try_for_each(|(ci, ch)| {
+            let tc = Instant::now();
+            step(&cx, ch, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
+            chunk_s[ci] += tc.elapsed().as_secs_f64();
+            anyhow::Ok(())
+        });
+        match res {
+            Ok(()) => true,
+            Err(e) => {
+                drop_out(pass, errors, i, e.context(format!("layer {}", cx.l)));
+                false
+            }
+        }
+    }
 
     for (l, spec) in model.plan.iter().enumerate() {
         if pass.iter().all(Option::is_none) {
@@ -646,26 +674,19 @@ pub fn prefill_many_with<B: Backend>(
                 let mut mids: Vec<Vec<Mid<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
                 let mut fronts: Vec<Vec<crate::model::ffn::MoeFront<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
                 for i in 0..pass.len() {
-                    let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
-                    let cx = cx_of(r);
-                    let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, chunk_s, .. } = r;
-                    let res = (|| -> anyhow::Result<()> {
-                        for (ci, ch) in chunks.iter_mut().enumerate() {
-                            let tc = Instant::now();
-                            let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                            let f = latent_moe_front(b, mw, &mid.x2, d)?;
-                            gaps[i].extend_from_slice(&f.routing.gap);
-                            mids[i].push(mid);
-                            fronts[i].push(f);
-                            chunk_s[ci] += tc.elapsed().as_secs_f64();
-                        }
+                    let Some(cache) = caches[i].as_mut() else { continue };
+                    let (gaps_i, mids_i, fronts_i) = (&mut gaps[i], &mut mids[i], &mut fronts[i]);
+                    let ok = each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, trace| {
+                        let mid = attn_half(cx, ch, cache, trace)?;
+                        let f = latent_moe_front(b, mw, &mid.x2, d)?;
+                        gaps_i.extend_from_slice(&f.routing.gap);
+                        mids_i.push(mid);
+                        fronts_i.push(f);
                         Ok(())
-                    })();
-                    if let Err(e) = res {
+                    });
+                    if !ok {
                         mids[i].clear();
                         fronts[i].clear();
-                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
                     }
                 }
                 let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().flatten().map(|f| (&f.x_lat, &f.routing)).collect();
@@ -702,51 +723,31 @@ pub fn prefill_many_with<B: Backend>(
                 }
                 let mut outs = outs.into_iter();
                 for (i, mids_i) in mids.into_iter().enumerate() {
-                    let outs_i: Vec<B::Buf> = outs.by_ref().take(counts[i]).collect();
-                    let Some(r) = pass[i].as_mut() else { continue };
-                    let cx = cx_of(r);
-                    let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, chunk_s, .. } = r;
-                    let res = (|| -> anyhow::Result<()> {
-                        for (ci, ((ch, mid), y)) in chunks.iter_mut().zip(mids_i).zip(outs_i).enumerate() {
-                            let tc = Instant::now();
-                            let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
-                            finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                            chunk_s[ci] += tc.elapsed().as_secs_f64();
-                        }
-                        Ok(())
-                    })();
-                    if let Err(e) = res {
-                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
-                    }
+                    // one front, hence one middle and one expert output, per chunk of the request
+                    let mut mids_outs = mids_i.into_iter().zip(outs.by_ref().take(counts[i]).collect::<Vec<_>>());
+                    each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, trace| {
+                        let (mid, y) = mids_outs.next().context("a chunk without routed-expert output")?;
+                        let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
+                        finish_chunk(cx, ch, mid, m, trace)
+                    });
                 }
             }
             ffn => {
                 for i in 0..pass.len() {
-                    let (Some(r), Some(cache)) = (pass[i].as_mut(), caches[i].as_mut()) else { continue };
-                    let cx = cx_of(r);
-                    let nchunks = r.chunks.len();
-                    let InPass { chunks, trace, chunk_s, .. } = r;
-                    let res = (|| -> anyhow::Result<()> {
-                        for (ci, ch) in chunks.iter_mut().enumerate() {
-                            let tc = Instant::now();
-                            let mid = attn_half(&cx, ch, cache, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                            let m = match ffn {
-                                FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
-                                FfnWeights::LatentMoe(mw) => {
-                                    let (y, routing) = latent_moe_forward(b, mw, &mid.x2, d)?;
-                                    gaps[i].extend_from_slice(&routing.gap);
-                                    y
-                                }
-                            };
-                            finish_chunk(&cx, ch, mid, m, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
-                            chunk_s[ci] += tc.elapsed().as_secs_f64();
-                        }
-                        Ok(())
-                    })();
-                    if let Err(e) = res {
-                        drop_out(&mut pass, &mut errors, i, e.context(format!("layer {l}")));
-                    }
+                    let Some(cache) = caches[i].as_mut() else { continue };
+                    let gaps_i = &mut gaps[i];
+                    each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, mut trace| {
+                        let mid = attn_half(cx, ch, cache, trace.as_deref_mut())?;
+                        let m = match ffn {
+                            FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
+                            FfnWeights::LatentMoe(mw) => {
+                                let (y, routing) = latent_moe_forward(b, mw, &mid.x2, d)?;
+                                gaps_i.extend_from_slice(&routing.gap);
+                                y
+                            }
+                        };
+                        finish_chunk(cx, ch, mid, m, trace)
+                    });
                 }
             }
         }
