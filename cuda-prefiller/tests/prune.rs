@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cuda_prefiller::calibrate::{MoeObserverRef, StatsCollector};
 use cuda_prefiller::cli::calibrate as cal;
-use cuda_prefiller::cli::forward::BackendChoice;
+use cuda_prefiller::cli::backend_args::BackendChoice;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, PrefillOutput};
@@ -61,7 +61,7 @@ fn write_prompts(path: &Path, prompts: &[Vec<u32>]) {
 
 fn cal_args(model: &Path, prompts: &Path, out: &Path) -> cal::Args {
     let mut a = cal::Args::with_paths(model, prompts, out);
-    a.backend = BackendChoice::Cpu;
+    a.backend.choice = BackendChoice::Cpu;
     a.chunk_tokens = Some(16);
     a
 }

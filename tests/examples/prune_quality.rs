@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use cuda_prefiller::cli::calibrate as cal;
-use cuda_prefiller::cli::forward::BackendChoice;
+use cuda_prefiller::cli::backend_args::BackendChoice;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, LogitsRows, PrefillInput};
@@ -131,7 +131,7 @@ fn main() -> anyhow::Result<()> {
         &{
             let mut a = cal::Args::with_paths(&o.model, &prompts, &stats);
             a.fresh = true;
-            a.backend = BackendChoice::Cpu;
+            a.backend.choice = BackendChoice::Cpu;
             a.chunk_tokens = Some(512);
             a
         },

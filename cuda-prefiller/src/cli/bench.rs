@@ -22,15 +22,16 @@ use anyhow::{bail, Context, Result};
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
 use serde::Serialize;
 
-use super::forward::{BackendChoice, StreamArgs};
+use super::backend_args::{BackendArgs, Opened};
+use super::forward::StreamArgs;
 use crate::backend::Backend;
-use crate::cpu::CpuBackend;
 use crate::cuda::CudaBackend;
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
 
 /// Arguments of `k3-prefill bench`.
 #[derive(clap::Args, Debug)]
+#[command(mut_arg("precision", |a| a.default_value("bf16")))]
 pub struct Args {
     /// Checkpoint directory (model mode).
     #[arg(long)]
@@ -38,11 +39,9 @@ pub struct Args {
     /// Prompt lengths.
     #[arg(long, value_delimiter = ',', default_value = "8192,32768,131072")]
     pub tokens: Vec<usize>,
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
-    /// CUDA precision: bf16 (serving) or f32 (check mode).
-    #[arg(long, default_value = "bf16")]
-    pub precision: String,
+    // --precision defaults to bf16 (serving) here
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -105,16 +104,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     let Some(dir) = args.model.clone() else { bail!("bench: give --model DIR (a K3-width model that fits no disk: `k3-prefill synth --preset k3 --layers 3 --out /dev/shm/k3`), or --kernels") };
     let ck = Arc::new(k3_protocol::Checkpoint::open(&dir).with_context(|| format!("opening {}", dir.display()))?);
-    match args.backend {
-        BackendChoice::Cpu => model_bench(Arc::new(CpuBackend), ck, &args),
-        BackendChoice::Cuda => model_bench(Arc::new(CudaBackend::new(args.precision.parse()?)?), ck, &args),
-        BackendChoice::Auto => match crate::cuda::probe() {
-            Ok(_) => model_bench(Arc::new(CudaBackend::new(args.precision.parse()?)?), ck, &args),
-            Err(why) => {
-                tracing::info!("--backend auto: no CUDA ({why}); using the CPU reference");
-                model_bench(Arc::new(CpuBackend), ck, &args)
-            }
-        },
+    match args.backend.open()? {
+        Opened::Cpu(b) => model_bench(b, ck, &args),
+        Opened::Cuda(b) => model_bench(b, ck, &args),
     }
 }
 

@@ -14,8 +14,8 @@ use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
 use crate::calibrate::{MoeObserverRef, StatsCollector};
-use crate::cli::forward::{BackendChoice, StreamArgs};
-use crate::cpu::CpuBackend;
+use crate::cli::backend_args::{BackendArgs, Opened};
+use crate::cli::forward::StreamArgs;
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
 use crate::streamer::{prefill_maybe_streamed, streamed_weights_for};
@@ -36,15 +36,12 @@ pub struct Args {
     /// Start over even if `--out` exists.
     #[arg(long)]
     pub fresh: bool,
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Tokens per chunk within a layer (calibration holds each chunk's expert input once per
     /// routed slot: keep it moderate on a GPU, e.g. 2048).
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
-    /// CUDA arithmetic: `f32` or `bf16`.
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     #[command(flatten)]
     pub stream: StreamArgs,
 }
@@ -132,19 +129,9 @@ fn prompt_lines(path: &Path) -> anyhow::Result<Vec<(usize, String)>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.backend {
-        BackendChoice::Cpu => run_with(Arc::new(CpuBackend), &args).map(drop),
-        BackendChoice::Cuda => run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args).map(drop),
-        BackendChoice::Auto => match crate::cuda::probe() {
-            Ok(gpu) => {
-                tracing::info!(%gpu, "--backend auto: using CUDA");
-                run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args).map(drop)
-            }
-            Err(why) => {
-                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference");
-                run_with(Arc::new(CpuBackend), &args).map(drop)
-            }
-        },
+    match args.backend.open()? {
+        Opened::Cpu(b) => run_with(b, &args).map(drop),
+        Opened::Cuda(b) => run_with(b, &args).map(drop),
     }
 }
 

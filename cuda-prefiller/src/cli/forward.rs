@@ -12,21 +12,10 @@ use k3_protocol::handoff::{load_session, save_session, token_prefix_hash, Handof
 use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
-use crate::cpu::CpuBackend;
+use crate::cli::backend_args::{BackendArgs, Opened};
 use crate::executor::{ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
 use crate::model::{Model, WeightPolicy};
 use crate::streamer::{prefill_maybe_streamed, streamed_weights_for, StreamOptions, WeightsFrom};
-
-/// Which ops backend runs the forward.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendChoice {
-    /// The f32 CPU reference.
-    Cpu,
-    /// The CUDA backend.
-    Cuda,
-    /// CUDA when available, else the CPU reference.
-    Auto,
-}
 
 /// Arguments of `k3-prefill forward`.
 #[derive(clap::Args, Debug)]
@@ -40,8 +29,8 @@ pub struct Args {
     /// Output safetensors file: `logits` and the hand-off state (golden names, fp32).
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Continue from a session file (a previous `--out`): the ids are the NEW tokens.
     #[arg(long)]
     pub state: Option<PathBuf>,
@@ -52,9 +41,6 @@ pub struct Args {
     /// 4096 on smaller GPUs).
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
-    /// CUDA arithmetic: `f32` (check mode, matches the fp32 golden sets) or `bf16` (serving).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     #[command(flatten)]
     pub stream: StreamArgs,
     /// CUDA: load each layer's weights synchronously when the executor reaches it instead of
@@ -139,19 +125,9 @@ pub fn read_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.backend {
-        BackendChoice::Cpu => run_with(Arc::new(CpuBackend), &args),
-        BackendChoice::Cuda => run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args),
-        BackendChoice::Auto => match crate::cuda::probe() {
-            Ok(gpu) => {
-                tracing::info!(%gpu, "--backend auto: using CUDA");
-                run_with(Arc::new(crate::cuda::CudaBackend::new(args.precision.parse()?)?), &args)
-            }
-            Err(why) => {
-                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference");
-                run_with(Arc::new(CpuBackend), &args)
-            }
-        }
+    match args.backend.open()? {
+        Opened::Cpu(b) => run_with(b, &args),
+        Opened::Cuda(b) => run_with(b, &args),
     }
 }
 

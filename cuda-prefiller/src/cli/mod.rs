@@ -1,5 +1,6 @@
 //! The `k3-prefill` subcommands, one module each.
 
+pub mod backend_args;
 pub mod bench;
 pub mod bench_elementwise;
 pub mod bench_kernels;

@@ -22,20 +22,11 @@ use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
 use crate::cli::synth::parse_size;
-use crate::cpu::CpuBackend;
+use crate::cli::backend_args::{BackendArgs, Opened};
 use crate::cli::forward::StreamArgs;
 use crate::model::{Model, WeightPolicy};
 use crate::streamer::streamed_weights_for;
 use crate::server::{PrefillNode, ServeOptions, StoreLimits};
-
-/// Which ops backend serves.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ServeBackend {
-    /// CUDA when a usable GPU is present, else the CPU reference.
-    Auto,
-    Cuda,
-    Cpu,
-}
 
 /// `--weights auto` keeps a checkpoint under this many bytes resident; a larger one is streamed
 /// (CUDA) or read per layer (CPU).
@@ -58,6 +49,7 @@ pub enum Weights {
 
 /// Arguments of `k3-prefill serve`.
 #[derive(clap::Args, Debug)]
+#[command(mut_arg("precision", |a| a.default_value("bf16")))]
 pub struct Args {
     /// Checkpoint directory (release layout).
     #[arg(long)]
@@ -65,14 +57,11 @@ pub struct Args {
     /// Address to listen on (UDP), e.g. 0.0.0.0:7433 or 127.0.0.1:7433.
     #[arg(long)]
     pub listen: SocketAddr,
-    #[arg(long, value_enum, default_value_t = ServeBackend::Auto)]
-    pub backend: ServeBackend,
-    /// CUDA precision: bf16 (the serving default: BF16 GEMM operands and attention, f32
-    /// accumulation, norms and recurrences; on the trained tiny-t +0.28 % perplexity and 99 %
-    /// top-1 agreement with f32, docs/engine-agreement.md) or f32 (check mode: the CPU
-    /// reference's arithmetic, the same greedy tokens as a local f32 prefill).
-    #[arg(long, default_value = "bf16")]
-    pub precision: String,
+    // --precision defaults to bf16 here (on the trained tiny-t +0.28 % perplexity and 99 %
+    // top-1 agreement with f32, docs/engine-agreement.md); f32 is the check mode (the same
+    // greedy tokens as a local f32 prefill)
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Plain loopback testing without certificate pinning (loopback addresses only).
     #[arg(long)]
     pub insecure_dev: bool,
@@ -197,27 +186,9 @@ fn save_verified_pin(dir: &std::path::Path, explicit: &[CertFingerprint], cert: 
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
-    let choice = match args.backend {
-        ServeBackend::Cpu => ServeBackend::Cpu,
-        ServeBackend::Cuda => ServeBackend::Cuda,
-        ServeBackend::Auto => match crate::cuda::probe() {
-            Ok(gpu) => {
-                tracing::info!(%gpu, "--backend auto: using CUDA");
-                ServeBackend::Cuda
-            }
-            Err(why) => {
-                tracing::info!("--backend auto: no usable GPU ({why}); using the CPU reference backend");
-                ServeBackend::Cpu
-            }
-        },
-    };
-    match choice {
-        ServeBackend::Cuda => {
-            let precision: crate::cuda::Precision = args.precision.parse()?;
-            let backend = crate::cuda::CudaBackend::new(precision).context("--backend cuda: opening the GPU")?;
-            serve_with(Arc::new(backend), ck, &args)
-        }
-        _ => serve_with(Arc::new(CpuBackend), ck, &args),
+    match args.backend.open()? {
+        Opened::Cpu(b) => serve_with(b, ck, &args),
+        Opened::Cuda(b) => serve_with(b, ck, &args),
     }
 }
 
@@ -282,19 +253,17 @@ mod tests {
     use crate::cli::parse_args;
 
     /// Issue 14: `serve` runs BF16 on CUDA unless told otherwise; `--precision f32` (check mode)
-    /// stays available, and anything else is refused when the backend is built.
+    /// stays available, and anything else is refused when the arguments are parsed.
     #[test]
     fn serve_defaults_to_bf16_and_keeps_f32() {
         let parse = |extra: &[&str]| {
             let mut a = vec!["serve", "--model", "m", "--listen", "127.0.0.1:0"];
             a.extend_from_slice(extra);
-            parse_args::<Args>(&a).unwrap()
+            parse_args::<Args>(&a)
         };
-        let p: crate::cuda::Precision = parse(&[]).precision.parse().unwrap();
-        assert_eq!(p, crate::cuda::Precision::Bf16);
-        let p: crate::cuda::Precision = parse(&["--precision", "f32"]).precision.parse().unwrap();
-        assert_eq!(p, crate::cuda::Precision::F32);
-        assert!(parse(&["--precision", "fp7"]).precision.parse::<crate::cuda::Precision>().is_err());
+        assert_eq!(parse(&[]).unwrap().backend.precision, crate::cuda::Precision::Bf16);
+        assert_eq!(parse(&["--precision", "f32"]).unwrap().backend.precision, crate::cuda::Precision::F32);
+        assert!(parse(&["--precision", "fp7"]).is_err());
     }
 
     /// Issue 21: an `--insecure-dev` node accepted `--metrics-listen 0.0.0.0`.
