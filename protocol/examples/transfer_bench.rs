@@ -10,11 +10,16 @@
 //! Options: `--gib F` (state size), `--streams A,B,..`, `--chunk-kib N` (default 1024),
 //! `--mtu N` (QUIC path-MTU upper bound, default 1452; loopback allows up to 65000).
 
+// the synthetic layers of the QUIC tests
+#[path = "../tests/quic_support/mod.rs"]
+#[allow(unused_imports)]
+mod quic_support;
+
 use std::sync::Arc;
 use std::time::Instant;
 
 use k3_protocol::fingerprint::Fingerprint;
-use k3_protocol::handoff::{KdaState, LayerState, MlaState};
+use k3_protocol::handoff::LayerState;
 use k3_protocol::transport::*;
 use k3_protocol::wire::chunker::part_bytes;
 use k3_protocol::wire::checksum::crc_append;
@@ -45,18 +50,6 @@ fn parse_args() -> Args {
     a
 }
 
-fn fill(seed: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32) / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
-
 fn k3_layout(bytes: u64) -> StateLayout {
     let kda = LayerLayout::Kda { heads: 96, head_dim: 128, window: 3 };
     let rows = (bytes.saturating_sub(69 * kda.nbytes().unwrap()) / (24 * 576 * 4)).max(1);
@@ -73,23 +66,6 @@ fn k3_layout(bytes: u64) -> StateLayout {
         })
         .collect();
     StateLayout { layers }
-}
-
-fn make(ly: &LayerLayout, seed: u64) -> LayerState {
-    match *ly {
-        LayerLayout::Kda { heads, head_dim, window } => {
-            let (h, d, w) = (heads as usize, head_dim as usize, window as usize);
-            LayerState::Kda(KdaState {
-                heads: h,
-                head_dim: d,
-                recurrent: fill(seed, h * d * d),
-                conv_q: fill(seed + 1, w * h * d),
-                conv_k: fill(seed + 2, w * h * d),
-                conv_v: fill(seed + 3, w * h * d),
-            })
-        }
-        LayerLayout::Mla { width, rows } => LayerState::Mla(MlaState { width: width as usize, latent: fill(seed + 4, width as usize * rows as usize) }),
-    }
 }
 
 fn crc_of(st: &LayerState, ly: &LayerLayout) -> u32 {
@@ -198,7 +174,7 @@ fn main() {
     let mut shapes: Vec<(LayerLayout, Arc<LayerState>, u32)> = Vec::new();
     for ly in &layout.layers {
         if !shapes.iter().any(|(s, _, _)| s == ly) {
-            let st = make(ly, shapes.len() as u64 * 10 + 1);
+            let st = quic_support::make_layer(ly, shapes.len() as u64 * 10 + 1);
             let crc = crc_of(&st, ly);
             shapes.push((*ly, Arc::new(st), crc));
         }
