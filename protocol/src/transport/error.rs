@@ -43,6 +43,12 @@ pub enum TransferError {
     InsecureNotLoopback(SocketAddr),
     #[error("send_layer: layer {layer}: {source}")]
     LayerState { layer: usize, source: WireError },
+    #[error("send_layer: layer {layer} is past the layout's {layers} layers")]
+    LayerPastLayout { layer: usize, layers: usize },
+    #[error("send_layer: layer {layer} was already sent")]
+    LayerResent { layer: usize },
+    #[error("finish: layer {layer} was never sent")]
+    LayerNeverSent { layer: usize },
     #[error("node identity: {0}")]
     Identity(String),
     #[error("{0}")]

@@ -858,10 +858,10 @@ impl LayerSender {
     async fn send_layer_inner(&mut self, layer: usize, state: Arc<LayerState>) -> Result<(), TransferError> {
         self.check()?;
         let Some(ly) = self.layout.layers.get(layer).copied() else {
-            return Err(TransferError::Local(format!("send_layer: layer {layer} is past the layout's {} layers", self.layout.layers.len())));
+            return Err(TransferError::LayerPastLayout { layer, layers: self.layout.layers.len() });
         };
         if self.sent[layer] {
-            return Err(TransferError::Local(format!("send_layer: layer {layer} was already sent")));
+            return Err(TransferError::LayerResent { layer });
         }
         ly.check_state(&state).map_err(|source| TransferError::LayerState { layer, source })?;
         self.sent[layer] = true;
@@ -927,7 +927,7 @@ impl LayerSender {
     async fn finish_inner(&mut self, mut timing: Timing, last_logits: Option<Vec<f32>>) -> Result<Timing, TransferError> {
         self.check()?;
         if let Some(l) = self.sent.iter().position(|s| !s) {
-            return Err(TransferError::Local(format!("finish: layer {l} was never sent")));
+            return Err(TransferError::LayerNeverSent { layer: l });
         }
         if let Some(d) = self.delayed.take() {
             self.push(d).await?;
