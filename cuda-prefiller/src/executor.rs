@@ -21,8 +21,8 @@ use k3_protocol::handoff::{HandoffState, LayerState, MlaState};
 use crate::backend::{Backend, DeviceBuf, MlaForm, Routing};
 use crate::calibrate::MoeObserverRef;
 use crate::model::ffn::{latent_moe_back, latent_moe_forward, latent_moe_front, mlp_forward};
-use crate::model::kda::{kda_forward, KdaCache, KdaForm};
-use crate::model::mla::{mla_forward, MlaCache};
+use crate::model::kda::{kda_forward, KdaForm, KdaStateBufs};
+use crate::model::mla::{mla_forward, MlaLatentBufs};
 use crate::model::weights::{AttnWeights, FfnWeights, HeadWeights, LayerWeights};
 use crate::model::{Misread, Model, ModelDims};
 
@@ -280,8 +280,8 @@ pub fn prefill<B: Backend>(
 
 /// A layer's attention cache on the backend.
 enum Cache<B: Backend> {
-    Kda(KdaCache<B>),
-    Mla(MlaCache<B>),
+    Kda(KdaStateBufs<B>),
+    Mla(MlaLatentBufs<B>),
 }
 
 /// What one layer needs besides its weights, for the per-chunk halves.
@@ -502,13 +502,13 @@ fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state:
 fn layer_cache<B: Backend>(model: &Model<B>, state: &HandoffState, r: &InPass<B>, l: usize, attn: AttnKind) -> anyhow::Result<Cache<B>> {
     let (b, d) = (&*model.backend, &model.dims);
     Ok(match (&state.layers[l], attn) {
-        (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaCache::upload(b, s, d)?),
+        (LayerState::Kda(s), AttnKind::Kda) => Cache::Kda(KdaStateBufs::upload(b, s, d)?),
         (LayerState::Mla(s), AttnKind::Mla) => {
             let mut latent = b.zeros(r.base + r.n, d.mla.latent())?;
             if r.base > 0 {
                 b.write_rows(&mut latent, 0, &b.upload(&s.latent, r.base, d.mla.latent())?)?;
             }
-            Cache::Mla(MlaCache { latent, rows: r.base })
+            Cache::Mla(MlaLatentBufs { latent, rows: r.base })
         }
         _ => bail!("layer {l}: the hand-off state's kind differs from the model's {attn:?} layer"),
     })

@@ -18,19 +18,19 @@ pub enum KdaForm {
 }
 
 /// A KDA layer's carried state on the backend: `S [heads, k·v]`, conv windows `[K-1, H·D]`.
-pub struct KdaCache<B: Backend> {
+pub struct KdaStateBufs<B: Backend> {
     pub state: B::Buf,
     pub conv_q: B::Buf,
     pub conv_k: B::Buf,
     pub conv_v: B::Buf,
 }
 
-impl<B: Backend> KdaCache<B> {
+impl<B: Backend> KdaStateBufs<B> {
     /// Uploads a hand-off state.
     pub fn upload(b: &B, s: &KdaState, d: &ModelDims) -> anyhow::Result<Self> {
         let w = d.kda.width();
         let win = d.conv_kernel - 1;
-        Ok(KdaCache {
+        Ok(KdaStateBufs {
             state: b.upload(&s.recurrent, d.kda.heads, d.kda.head_dim * d.kda.head_dim)?,
             conv_q: b.upload(&s.conv_q, win, w)?,
             conv_k: b.upload(&s.conv_k, win, w)?,
@@ -56,7 +56,7 @@ pub fn kda_forward<B: Backend>(
     b: &B,
     w: &KdaWeights<B>,
     x: &B::Buf,
-    cache: &mut KdaCache<B>,
+    cache: &mut KdaStateBufs<B>,
     d: &ModelDims,
     form: KdaForm,
     misread: &Misread,

@@ -8,14 +8,14 @@ use crate::backend::{Backend, MlaForm};
 
 /// An MLA layer's latent cache on the backend: `latent [capacity, kv_lora+rope]`, of which
 /// the first `rows` are filled.
-pub struct MlaCache<B: Backend> {
+pub struct MlaLatentBufs<B: Backend> {
     pub latent: B::Buf,
     pub rows: usize,
 }
 
 /// The MLA block on normed input `x [rows, H]` → `[rows, H]`; the new tokens' latent rows are
 /// written at `cache.rows ..` (capacity must suffice) and attended causally.
-pub fn mla_forward<B: Backend>(b: &B, w: &MlaWeights<B>, x: &B::Buf, cache: &mut MlaCache<B>, d: &ModelDims, form: MlaForm) -> anyhow::Result<B::Buf> {
+pub fn mla_forward<B: Backend>(b: &B, w: &MlaWeights<B>, x: &B::Buf, cache: &mut MlaLatentBufs<B>, d: &ModelDims, form: MlaForm) -> anyhow::Result<B::Buf> {
     use crate::backend::DeviceBuf;
     let c_q = b.rms_norm(&b.gemm(x, &w.q_a)?, &w.q_a_norm, MLA_LATENT_NORM_EPS)?;
     let q = b.gemm(&c_q, &w.q_b)?;
