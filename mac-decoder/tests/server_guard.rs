@@ -18,6 +18,7 @@ const VOCAB: usize = 1024;
 
 struct Server {
     addr: std::net::SocketAddr,
+    engine: EngineHandle,
     _dir: tempfile::TempDir,
 }
 
@@ -43,12 +44,13 @@ async fn start(api_key: Option<&str>, guard: GuardOptions, step_delay: Duration)
         metrics.clone(),
     )
     .unwrap();
+    let handle = engine.clone();
     let mut state = AppState::new(engine, tok, metrics, "synth".into(), api_key.map(str::to_string));
     state.guard = guard;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router(Arc::new(state))).await.unwrap() });
-    Server { addr, _dir: dir }
+    Server { addr, engine: handle, _dir: dir }
 }
 
 fn completion() -> String {
@@ -179,6 +181,50 @@ async fn requests_past_the_admission_limit_get_429_with_retry_after() {
     }
     let r = client.post(&url).json(&json!({"prompt": "hello", "max_tokens": 2})).send().await.unwrap();
     assert_eq!(r.status(), 200);
+}
+
+/// Issue 21: admission bounded by tokens in flight (prompt + max_tokens of the requests admitted
+/// and not finished). Before, only the request count was bounded: a few requests of the full
+/// context each queued unbounded work. Past the limit: 429 `too_many_tokens` with
+/// `Retry-After`, counted in the metrics; once the running request ends its tokens are given
+/// back; a request larger than the limit alone runs when nothing else is in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_tokens_in_flight_limit_get_429_with_retry_after() {
+    // Slow engine: each request runs ~20 × 50 ms.
+    let s = start(None, GuardOptions::default(), Duration::from_millis(50)).await;
+    s.engine.set_max_tokens_in_flight(Some(60));
+    let base = format!("http://{}", s.addr);
+    let client = reqwest::Client::new();
+    // 3 prompt tokens + 40 = 43 tokens in flight while it streams.
+    let body = |max: usize| json!({"prompt": [300, 301, 302], "max_tokens": max, "stream": true});
+    let running = client.post(format!("{base}/v1/completions")).json(&body(40)).send().await.unwrap();
+    assert_eq!(running.status(), 200);
+    assert_eq!(s.engine.tokens_in_flight(), 43);
+    let metrics = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("k3_tokens_in_flight 43"), "{metrics}");
+    // 43 + 3 + 20 = 66 > 60: refused; 43 + 3 + 10 = 56: admitted.
+    let r = client.post(format!("{base}/v1/completions")).json(&body(20)).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "too_many_tokens", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-tokens-in-flight"), "{v}");
+    let r = client.post(format!("{base}/v1/completions")).json(&json!({"prompt": [300, 301, 302], "max_tokens": 10})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.text().await.unwrap();
+    let metrics = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("k3_errors_total{kind=\"too_many_tokens\"} 1"), "{metrics}");
+    // The stream ends: its tokens are given back, and a request larger than the limit alone runs.
+    let _ = running.text().await.unwrap();
+    let t0 = Instant::now();
+    while s.engine.tokens_in_flight() != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{} tokens still in flight", s.engine.tokens_in_flight());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = client.post(format!("{base}/v1/completions")).json(&json!({"prompt": [300, 301, 302], "max_tokens": 100})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.text().await.unwrap();
 }
 
 /// Issue 21: the HTTP server had no header read timeout; a connection that never finished its

@@ -4,7 +4,7 @@
 //! the machine's memory cannot hold are refused with a clear error.
 #![cfg(feature = "mlx")]
 
-use mac_decoder::vision::media_config::{memory_patch_limit, tower_bytes_per_patch};
+use mac_decoder::vision::media_config::{attention_score_bytes, memory_patch_limit, tower_bytes_per_patch};
 use mac_decoder::vision::preprocess::preprocess_image;
 use mac_decoder::vision::resample::Image8;
 use mac_decoder::vision::{MediaProcConfig, MlxVisionEncoder, NormEps, VisionWeights};
@@ -44,11 +44,16 @@ fn attention_blocks_are_evaluated_one_at_a_time() {
 fn images_beyond_the_memory_budget_are_refused_clearly() {
     let base = k3_protocol::K3Config::load(&k3_protocol::testdata::golden_dir("tiny-a")).unwrap().vision_config;
     let per = tower_bytes_per_patch(&base);
-    // A budget of 1000 patches beyond three score blocks.
-    let budget = 3 * mac_decoder::vision::ATTN_SCORE_BYTES as u64 + 1000 * per as u64;
+    // A small budget attends in the smallest blocks (1 MiB): 1000 patches beyond three of them.
+    let budget = 3 * (1 << 20) + 1000 * per as u64;
+    assert_eq!(attention_score_bytes(Some(budget)), 1 << 20);
     let limit = memory_patch_limit(&base, Some(budget));
     assert_eq!(limit, 1000);
     assert_eq!(memory_patch_limit(&base, None), usize::MAX);
+    // A large one in blocks of a sixteenth of it, up to the default bound.
+    assert_eq!(attention_score_bytes(Some(160 << 20)), 10 << 20);
+    assert_eq!(attention_score_bytes(Some(1 << 40)), mac_decoder::vision::ATTN_SCORE_BYTES);
+    assert_eq!(attention_score_bytes(None), mac_decoder::vision::ATTN_SCORE_BYTES);
     let media = MediaProcConfig { memory_patch_limit: limit, ..MediaProcConfig::for_vision(&base) };
     // 28 × 28 patches = 784: fits. 448 × 448 px = 32 × 32 = 1024 patches: refused.
     assert!(preprocess_image(&flat_image(392, 392), &media).is_ok());

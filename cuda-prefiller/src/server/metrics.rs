@@ -249,11 +249,44 @@ pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRec
     out
 }
 
-/// `GET /metrics` over plain HTTP/1.1 until told to stop (one short response per connection).
+/// Time a client of the metrics endpoint has to send its request head; the connection is
+/// closed past it (a client that stalls mid-request holds nothing longer).
+pub(crate) const METRICS_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Largest request head read from a metrics client.
+const METRICS_MAX_HEAD: usize = 4096;
+
+/// Reads a request head (up to its blank line, at most [`METRICS_MAX_HEAD`] bytes), however it
+/// is split into packets, within `timeout`; `None` when the client closed, stalled past
+/// `timeout`, or sent more than a head.
+async fn read_head<S: tokio::io::AsyncRead + Unpin>(sock: &mut S, timeout: std::time::Duration) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        let mut buf = Vec::with_capacity(512);
+        let mut chunk = [0u8; 1024];
+        loop {
+            let n = sock.read(&mut chunk).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Some(String::from_utf8_lossy(&buf).into_owned());
+            }
+            if buf.len() > METRICS_MAX_HEAD {
+                return None;
+            }
+        }
+    };
+    tokio::time::timeout(timeout, read).await.ok().flatten()
+}
+
+/// `GET /metrics` over plain HTTP/1.1 until told to stop (one short response per connection; a
+/// client that does not send its request head within [`METRICS_READ_TIMEOUT`] is dropped).
 /// `page` renders the body.
 pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn() -> String + Send + Sync + 'static, mut stop: tokio::sync::watch::Receiver<bool>) {
     let page = Arc::new(page);
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     loop {
         let (mut sock, _) = tokio::select! {
             a = listener.accept() => match a {
@@ -267,12 +300,7 @@ pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn(
         };
         let page = page.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let req = String::from_utf8_lossy(&buf[..n]);
+            let Some(req) = read_head(&mut sock, METRICS_READ_TIMEOUT).await else { return };
             let (status, body) = if req.starts_with("GET /metrics ") || req.starts_with("GET / ") {
                 ("200 OK", page())
             } else {
@@ -292,6 +320,34 @@ pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 21: a metrics client that sends part of its request and stalls is dropped after
+    /// the read timeout; a head split across packets is still read whole (the endpoint answered
+    /// from the first packet before).
+    #[tokio::test]
+    async fn a_stalled_metrics_client_is_dropped_and_a_split_head_is_read_whole() {
+        use tokio::io::AsyncWriteExt;
+        let timeout = std::time::Duration::from_millis(300);
+        let (mut client, mut server) = tokio::io::duplex(8192);
+        client.write_all(b"GET /metr").await.unwrap();
+        let t0 = std::time::Instant::now();
+        assert_eq!(read_head(&mut server, timeout).await, None, "a partial head must not be answered");
+        let waited = t0.elapsed();
+        assert!(waited >= timeout && waited < timeout * 10, "dropped after {waited:?} (timeout {timeout:?})");
+
+        let (mut client, mut server) = tokio::io::duplex(8192);
+        let reader = tokio::spawn(async move { read_head(&mut server, std::time::Duration::from_secs(5)).await });
+        client.write_all(b"GET /metr").await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        client.write_all(b"ics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let head = reader.await.unwrap().expect("the head split in two packets");
+        assert!(head.starts_with("GET /metrics "), "{head}");
+
+        // a head longer than the limit is not buffered without end
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        client.write_all(&vec![b'a'; METRICS_MAX_HEAD + 2048]).await.unwrap();
+        assert_eq!(read_head(&mut server, std::time::Duration::from_secs(5)).await, None);
+    }
 
     fn record(id: u64, weights: Option<WeightTiming>) -> RequestRecord {
         RequestRecord {

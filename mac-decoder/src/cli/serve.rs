@@ -47,6 +47,18 @@ pub struct Args {
     /// `/v1/*` requests running at once; more get 429 with `Retry-After`.
     #[arg(long, default_value_t = 64)]
     pub max_concurrent_requests: usize,
+    /// Tokens in flight: prompt + max_tokens of the requests admitted and not finished; past it,
+    /// 429 with `Retry-After` (0: what the context memory budget holds, at least the context
+    /// limit; unbounded where the memory cannot be read).
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens_in_flight: usize,
+    /// Seconds a client may take to send a request's headers (also how long an idle keep-alive
+    /// connection stays open); the connection is closed past it.
+    #[arg(long, default_value_t = 30.0)]
+    pub header_read_timeout: f64,
+    /// Seconds a POST body may take to arrive; 408 past it.
+    #[arg(long, default_value_t = 30.0)]
+    pub body_read_timeout: f64,
     /// Requests decoded together, their decode steps batched into one pass over the weights
     /// (continuous batching); further admitted requests wait. 1 decodes one at a time.
     #[arg(long, default_value_t = 8)]
@@ -80,8 +92,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let dir = args.model.clone();
     let opts = EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()), ..Default::default() };
     let ck = k3_protocol::Checkpoint::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
-    let max_context = crate::server::context::limit(&ck.config().text_config, args.prefill_chunk, args.max_context, ck.total_bytes());
+    let text = &ck.config().text_config;
+    let max_context = crate::server::context::limit(text, args.prefill_chunk, args.max_context, ck.total_bytes());
+    let max_tokens_in_flight = crate::server::context::tokens_in_flight(text, args.prefill_chunk, max_context, args.max_tokens_in_flight, ck.total_bytes());
     drop(ck);
+    let secs = |s: f64, flag: &str| -> anyhow::Result<std::time::Duration> {
+        anyhow::ensure!(s.is_finite() && s > 0.0, "{flag} must be a positive number of seconds, not {s}");
+        Ok(std::time::Duration::from_secs_f64(s))
+    };
+    let header_timeout = secs(args.header_read_timeout, "--header-read-timeout")?;
+    let body_timeout = secs(args.body_read_timeout, "--body-read-timeout")?;
     let max_batch = args.max_batch;
     let store = StoreOptions { max_sessions: args.max_sessions, max_bytes: args.max_session_bytes, checkpoints: !args.no_checkpoints };
     let load = move || {
@@ -101,6 +121,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         EngineHandle::spawn(load, store, metrics.clone())?
     };
+    engine.set_max_tokens_in_flight(max_tokens_in_flight);
     if engine.vocab_size < tokenizer.vocab_size() as usize {
         anyhow::bail!("the tokenizer has {} ids but the model scores only {}", tokenizer.vocab_size(), engine.vocab_size);
     }
@@ -113,6 +134,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     state.default_chat_max_tokens = args.default_max_tokens;
     state.guard.allowed_hosts = args.allow_hosts.clone();
     state.guard.max_concurrent = args.max_concurrent_requests.max(1);
+    state.guard.header_timeout = header_timeout;
+    state.guard.body_timeout = body_timeout;
     let state = Arc::new(state);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {

@@ -65,6 +65,28 @@ pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize, weight_byte
     n
 }
 
+/// The bound on tokens in flight (prompt + `max_tokens` of the requests admitted and not
+/// finished) of a server: `requested` when it is not 0 (`--max-tokens-in-flight`), else
+/// [`in_flight_fit`] for [`budget`]. Logged.
+pub fn tokens_in_flight(c: &TextConfig, prefill_chunk: usize, max_context: usize, requested: usize, weight_bytes: u64) -> Option<usize> {
+    if requested != 0 {
+        return Some(requested);
+    }
+    let budget = budget(weight_bytes);
+    let n = in_flight_fit(c, prefill_chunk, max_context, budget);
+    tracing::info!(tokens = n, budget_mb = budget.map(|b| b / 1_000_000), "tokens-in-flight limit (set another with --max-tokens-in-flight)");
+    n
+}
+
+/// The default tokens-in-flight bound for a memory `budget`: the tokens whose per-token memory
+/// fits it (not capped by the model's context), at least `max_context` so that one request of
+/// the full context is always admissible; `None` (unbounded) without a budget.
+pub fn in_flight_fit(c: &TextConfig, prefill_chunk: usize, max_context: usize, budget: Option<u64>) -> Option<usize> {
+    let budget = budget?;
+    let tokens = (budget / bytes_per_token(c, prefill_chunk).max(1)).min(usize::MAX as u64) as usize;
+    Some(tokens.max(max_context))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,5 +109,16 @@ mod tests {
         // a larger chunk costs more per token, so fits fewer
         assert!(fit(&c, 4096, Some(per * 100_000)) < fit(&c, 256, Some(per * 100_000)));
         assert_eq!(limit(&c, 256, 5000, 0), 5000, "an explicit --max-context is kept");
+    }
+
+    #[test]
+    fn the_tokens_in_flight_default_is_what_the_budget_holds_and_at_least_one_context() {
+        let c = tiny();
+        let per = bytes_per_token(&c, 256);
+        let model = c.max_position_embeddings;
+        assert_eq!(in_flight_fit(&c, 256, 4096, Some(per * 3 * model as u64)), Some(3 * model), "not capped by the model's context");
+        assert_eq!(in_flight_fit(&c, 256, 4096, Some(per * 100)), Some(4096), "never below one context");
+        assert_eq!(in_flight_fit(&c, 256, 4096, None), None);
+        assert_eq!(tokens_in_flight(&c, 256, 4096, 700, 0), Some(700), "an explicit --max-tokens-in-flight is kept");
     }
 }

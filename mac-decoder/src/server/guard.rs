@@ -10,8 +10,12 @@
 //!   `application/json` (a form or `text/plain` post needs no CORS preflight).
 //! - **Body read timeout**: a POST body must arrive within [`GuardOptions::body_timeout`]
 //!   (408 otherwise), so a slow sender cannot hold a request slot.
+//! - **Header read timeout**: a connection must deliver a request's headers within
+//!   [`GuardOptions::header_timeout`] ([`serve`] closes it otherwise; slowloris, idle keep-alive).
 //! - **Admission**: at most [`GuardOptions::max_concurrent`] `/v1/*` requests run at once
-//!   (streams count until their last event); past that, 429 with `Retry-After`.
+//!   (streams count until their last event); past that, 429 with `Retry-After`. The engine
+//!   also bounds the tokens in flight (`--max-tokens-in-flight`, [`crate::server::worker`]):
+//!   past it, 429 `too_many_tokens` with `Retry-After`.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -36,8 +40,11 @@ pub struct GuardOptions {
     pub allowed_hosts: Vec<String>,
     /// `/v1/*` requests running at once; more get 429.
     pub max_concurrent: usize,
-    /// Time a POST body may take to arrive.
+    /// Time a POST body may take to arrive (`--body-read-timeout`).
     pub body_timeout: Duration,
+    /// Time a client may take to send a request's headers, and an idle keep-alive connection
+    /// may stay open (`--header-read-timeout`; applied by [`serve`]).
+    pub header_timeout: Duration,
     /// Largest body read.
     pub max_body_bytes: usize,
     /// Seconds sent in `Retry-After` with a 429.
@@ -50,6 +57,7 @@ impl Default for GuardOptions {
             allowed_hosts: Vec::new(),
             max_concurrent: 64,
             body_timeout: Duration::from_secs(30),
+            header_timeout: HEADER_READ_TIMEOUT,
             max_body_bytes: crate::server::MAX_BODY_BYTES,
             retry_after_s: 2,
         }

@@ -44,6 +44,9 @@ pub struct Metrics {
     pub batch_size: Gauge,
     /// Jobs waiting in the engine's queue.
     pub queued: Gauge,
+    /// Prompt + `max_tokens` of the requests admitted and not finished (bounded by
+    /// `--max-tokens-in-flight`).
+    pub tokens_in_flight: Gauge,
     /// Jobs cancelled by their handler (queued, prefilling or decoding): the client went away,
     /// or a stop string ended the reply.
     pub cancelled: Counter,
@@ -78,6 +81,7 @@ impl Metrics {
             sessions_evicted: Counter::default(),
             batch_size: Gauge::default(),
             queued: Gauge::default(),
+            tokens_in_flight: Gauge::default(),
             cancelled: Counter::default(),
         };
         {
@@ -111,6 +115,11 @@ impl Metrics {
             r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
             r.register("decode_batch_size", "Requests decoding together in the last decode step", m.batch_size.clone());
             r.register("queued_requests", "Requests waiting for the engine", m.queued.clone());
+            r.register(
+                "tokens_in_flight",
+                "Prompt + max_tokens of the requests admitted and not finished (--max-tokens-in-flight bounds it)",
+                m.tokens_in_flight.clone(),
+            );
             r.register("cancelled_requests", "Requests cancelled because their client went away or a stop string ended them", m.cancelled.clone());
         }
         // Make the label sets visible from the start.

@@ -230,10 +230,17 @@ async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
+/// The error response of a refused request (counted, logged); a 429 says when to retry
+/// (`Retry-After`, the guard's setting).
 fn fail(st: &AppState, e: ApiError) -> Response {
     st.metrics.error(e.metric_kind());
     tracing::info!(status = e.status.as_u16(), message = %e.message, "request refused");
-    e.into_response()
+    let busy = e.status == StatusCode::TOO_MANY_REQUESTS;
+    let mut r = e.into_response();
+    if busy {
+        r.headers_mut().insert(header::RETRY_AFTER, axum::http::HeaderValue::from(st.guard.retry_after_s));
+    }
+    r
 }
 
 /// Runs a request's CPU-heavy preparation (JSON parsing, base64 and image decoding, rendering,
@@ -285,7 +292,12 @@ fn start(
     let rx = st
         .engine
         .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs })
-        .map_err(|e| ApiError::unavailable(e.to_string()))?;
+        .map_err(|e| match e {
+            worker::SubmitError::Busy { .. } => {
+                ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), kind: "invalid_request_error", param: None, code: Some("too_many_tokens") }
+            }
+            e => ApiError::unavailable(e.to_string()),
+        })?;
     Ok((rx, max_tokens))
 }
 
@@ -1059,5 +1071,6 @@ async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// Binds `addr` and serves until the process ends (or `shutdown` resolves).
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    guard::serve(listener, router(state), guard::HEADER_READ_TIMEOUT, std::time::Duration::from_secs(60), shutdown).await
+    let header_timeout = state.guard.header_timeout;
+    guard::serve(listener, router(state), header_timeout, std::time::Duration::from_secs(60), shutdown).await
 }

@@ -7,12 +7,18 @@
 //! length the HTTP guard bounds: past its limit requests get 429 + `Retry-After`). Token ids
 //! stream back to the HTTP handler over a channel.
 //!
+//! Admission by tokens in flight: [`EngineHandle::submit`] counts each job's prompt +
+//! `max_tokens` from its submission until its handler drops its [`JobEvents`]; past the limit
+//! ([`EngineHandle::set_max_tokens_in_flight`]) a job is refused with [`SubmitError::Busy`]
+//! (the HTTP layer answers 429 + `Retry-After`). A job larger than the limit alone is admitted
+//! when nothing else is in flight, so every request the context admits can run.
+//!
 //! Cancellation: a handler that goes away (client gone, stop string matched) drops its
 //! [`JobEvents`], which cancels the job — skipped if still queued, stopped between prefill
 //! chunks (or at the next event of a remote prefill), and at the next token when decoding; its
 //! slot frees at once.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -74,10 +80,53 @@ impl Queued {
     }
 }
 
-/// The handler's end of a job: the events the engine reports. Dropping it cancels the job.
+/// The handler's end of a job: the events the engine reports. Dropping it cancels the job
+/// (and gives its tokens in flight back).
 pub struct JobEvents {
     rx: mpsc::UnboundedReceiver<GenEvent>,
     cancel: Arc<AtomicBool>,
+    _tokens: TokenReservation,
+}
+
+/// The tokens in flight and their limit, shared by the clones of an [`EngineHandle`].
+struct TokenAdmission {
+    in_flight: AtomicUsize,
+    /// `usize::MAX`: unbounded.
+    limit: AtomicUsize,
+    metrics: Arc<Metrics>,
+}
+
+impl TokenAdmission {
+    /// Counts `tokens` in, or refuses them when that would pass the limit (unless nothing is in
+    /// flight: a job larger than the limit alone still runs).
+    fn reserve(self: &Arc<Self>, tokens: usize) -> Result<TokenReservation, SubmitError> {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let mut cur = self.in_flight.load(Ordering::Relaxed);
+        loop {
+            if cur > 0 && cur.saturating_add(tokens) > limit {
+                return Err(SubmitError::Busy { tokens, in_flight: cur, limit });
+            }
+            match self.in_flight.compare_exchange_weak(cur, cur + tokens, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        self.metrics.tokens_in_flight.set((cur + tokens) as i64);
+        Ok(TokenReservation { admission: self.clone(), tokens })
+    }
+}
+
+/// A job's tokens in flight, given back on drop.
+struct TokenReservation {
+    admission: Arc<TokenAdmission>,
+    tokens: usize,
+}
+
+impl Drop for TokenReservation {
+    fn drop(&mut self) {
+        let left = self.admission.in_flight.fetch_sub(self.tokens, Ordering::AcqRel) - self.tokens;
+        self.admission.metrics.tokens_in_flight.set(left as i64);
+    }
 }
 
 impl JobEvents {
@@ -121,6 +170,7 @@ pub enum GenEvent {
 #[derive(Clone)]
 pub struct EngineHandle {
     engine: Arc<EngineThread>,
+    tokens: Arc<TokenAdmission>,
     pub vocab_size: usize,
     pub max_context: usize,
     /// Image support of the engine (None: the model has no vision tower).
@@ -135,6 +185,7 @@ impl EngineHandle {
         E: GenerationEngine,
         F: FnOnce() -> anyhow::Result<E> + Send + 'static,
     {
+        let tokens = Arc::new(TokenAdmission { in_flight: AtomicUsize::new(0), limit: AtomicUsize::new(usize::MAX), metrics: metrics.clone() });
         let (jobs_tx, mut jobs_rx) = mpsc::unbounded_channel::<Queued>();
         type Ready = (usize, usize, Option<MediaSupport>);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<Ready>>();
@@ -177,19 +228,31 @@ impl EngineHandle {
             }
         })?;
         let (vocab_size, max_context, media) = ready_rx.recv().map_err(|_| anyhow::anyhow!("the engine thread died while loading"))??;
-        Ok(EngineHandle { engine: Arc::new(EngineThread { jobs: Some(jobs_tx), thread: Some(thread) }), vocab_size, max_context, media })
+        Ok(EngineHandle { engine: Arc::new(EngineThread { jobs: Some(jobs_tx), thread: Some(thread) }), tokens, vocab_size, max_context, media })
+    }
+
+    /// Bounds the tokens in flight (prompt + `max_tokens` of the jobs submitted and not yet
+    /// dropped by their handlers); `None`: unbounded (the default).
+    pub fn set_max_tokens_in_flight(&self, limit: Option<usize>) {
+        self.tokens.limit.store(limit.unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
+
+    /// Tokens in flight now.
+    pub fn tokens_in_flight(&self) -> usize {
+        self.tokens.in_flight.load(Ordering::Relaxed)
     }
 
     /// Queues a job; its events come back through the returned [`JobEvents`] (drop it to
-    /// cancel the job).
+    /// cancel the job). Refused with [`SubmitError::Busy`] past the tokens-in-flight limit.
     pub fn submit(&self, job: GenJob) -> Result<JobEvents, SubmitError> {
+        let reservation = self.tokens.reserve(job.prompt.len().saturating_add(job.max_tokens))?;
         let (events, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         match &self.engine.jobs {
             Some(jobs) => jobs.send(Queued { job, events, cancel: cancel.clone() }).map_err(|_| SubmitError::Stopped)?,
             None => return Err(SubmitError::ShuttingDown),
         }
-        Ok(JobEvents { rx, cancel })
+        Ok(JobEvents { rx, cancel, _tokens: reservation })
     }
 }
 
@@ -200,6 +263,12 @@ pub enum SubmitError {
     Stopped,
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// Past the tokens-in-flight limit: retry later.
+    #[error(
+        "{in_flight} tokens are in flight (prompt + max_tokens of the requests admitted); this request's {tokens} \
+         would pass the limit of {limit} (--max-tokens-in-flight); retry later"
+    )]
+    Busy { tokens: usize, in_flight: usize, limit: usize },
 }
 
 /// The engine thread and its queue, shared by the clones of an [`EngineHandle`].

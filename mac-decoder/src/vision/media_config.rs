@@ -43,6 +43,9 @@ pub struct MediaProcConfig {
     /// plan needs more is refused with a clear error instead of exhausting memory. `usize::MAX`
     /// when not bounded (the published settings, reference tests).
     pub memory_patch_limit: usize,
+    /// Bound of one attention score block of the tower ([`attention_score_bytes`]): the blocks
+    /// are evaluated one at a time, so this is the scores' share of the tower's peak memory.
+    pub attention_score_bytes: usize,
 }
 
 /// Bytes of one tower activation row per patch, alive during one block (f32): pixels, the
@@ -60,11 +63,20 @@ pub fn vision_memory_budget() -> Option<u64> {
     crate::memory::budget("K3_VISION_MEMORY_BYTES")
 }
 
-/// Most patches a memory budget holds: the budget less three attention score blocks (a block,
-/// its softmax, the product), divided by [`tower_bytes_per_patch`].
+/// The attention score block of the tower for a memory budget: a sixteenth of the budget,
+/// between 1 MiB and [`super::ATTN_SCORE_BYTES`] (the latter when unbounded). A machine (or a
+/// `K3_VISION_MEMORY_BYTES`) with little memory attends in smaller blocks rather than refusing
+/// every image.
+pub fn attention_score_bytes(budget: Option<u64>) -> usize {
+    budget.map_or(super::ATTN_SCORE_BYTES, |b| (b / 16).clamp(1 << 20, super::ATTN_SCORE_BYTES as u64) as usize)
+}
+
+/// Most patches a memory budget holds: the budget less three attention score blocks of
+/// [`attention_score_bytes`] (a block, its softmax, the product), divided by
+/// [`tower_bytes_per_patch`].
 pub fn memory_patch_limit(v: &k3_protocol::VisionConfig, budget: Option<u64>) -> usize {
     let Some(budget) = budget else { return usize::MAX };
-    let scores = 3 * super::ATTN_SCORE_BYTES as u64;
+    let scores = 3 * attention_score_bytes(Some(budget)) as u64;
     (budget.saturating_sub(scores) / tower_bytes_per_patch(v).max(1) as u64).min(usize::MAX as u64) as usize
 }
 
@@ -118,6 +130,7 @@ impl MediaProcConfig {
             transparent_bg: Some(BgPattern::Chessboard { square: 8, white_top_left: true, white: 255, gray: 180 }),
             fill_stage: FillStage::AfterResize,
             memory_patch_limit: usize::MAX,
+            attention_score_bytes: super::ATTN_SCORE_BYTES,
         }
     }
 
@@ -130,7 +143,9 @@ impl MediaProcConfig {
     /// ([`vision_memory_budget`]).
     pub fn load(dir: &Path, v: &k3_protocol::VisionConfig) -> Result<Self, MediaConfigError> {
         let mut cfg = Self::load_unbounded(dir, v)?;
-        cfg.memory_patch_limit = memory_patch_limit(v, vision_memory_budget());
+        let budget = vision_memory_budget();
+        cfg.memory_patch_limit = memory_patch_limit(v, budget);
+        cfg.attention_score_bytes = attention_score_bytes(budget);
         Ok(cfg)
     }
 
@@ -262,6 +277,7 @@ impl RawMediaProcCfg {
             transparent_bg,
             fill_stage,
             memory_patch_limit: usize::MAX,
+            attention_score_bytes: super::ATTN_SCORE_BYTES,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -178,10 +178,13 @@ pub struct MlxVisionEncoder {
 
 #[cfg(feature = "mlx")]
 impl MlxVisionEncoder {
-    /// Moves the f32 weights into MLX.
+    /// Moves the f32 weights into MLX; the tower attends in blocks of
+    /// `media.attention_score_bytes`.
     pub fn new(weights: &VisionWeights, media: MediaProcConfig, eps: NormEps) -> Result<Self, VisionError> {
+        let mut tower = tower::VisionTower::new(weights)?;
+        tower.set_attention_score_bytes(media.attention_score_bytes);
         Ok(MlxVisionEncoder {
-            tower: tower::VisionTower::new(weights)?,
+            tower,
             projector: projector::Projector::new(weights)?,
             cfg: weights.cfg.clone(),
             media,
