@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context};
 use k3_protocol::config::{AttnKind, FfnKind};
+use k3_protocol::eval::argmax;
 use k3_protocol::handoff::{HandoffState, LayerState, MlaState};
 
 use crate::backend::{Backend, DeviceBuf, MlaForm, Routing};
@@ -842,19 +843,6 @@ pub fn decode_step<B: Backend>(model: &Model<B>, state: &mut HandoffState, token
     Ok(prefill(model, state, PrefillInput::tokens(&[token]), &opts, |_| Ok(()))?.logits)
 }
 
-/// Index of the largest value (lowest index on ties); `None` for an empty or all-NaN slice.
-pub fn argmax(x: &[f32]) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in x.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, bv)| v > bv) {
-            best = Some((i, v));
-        }
-    }
-    best.map(|(i, _)| i)
-}
 
 /// Greedy continuation: `first` is fed, then each argmax, for `steps` tokens in all; returns
 /// the fed tokens and the logits after each.

@@ -109,7 +109,7 @@ fn forward(be: CudaBackend, p: Precision, logit_tol: f64, gap_exempt: f32, state
     }
     // greedy decode from the prefilled state
     let gold_tokens: Vec<u32> = i64s(&st, "decode.tokens").iter().map(|&x| x as u32).collect();
-    let first = cuda_prefiller::executor::argmax(out.row(t - 1)).unwrap() as u32;
+    let first = k3_protocol::eval::argmax(out.row(t - 1)).unwrap() as u32;
     let (tokens, _) = greedy(&model, &mut state, first, gold_tokens.len()).expect("greedy decode");
     if check_state {
         eprintln!("{p:?}: greedy decode {:?}\n{p:?}: golden decode {:?}", tokens, gold_tokens);

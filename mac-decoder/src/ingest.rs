@@ -12,6 +12,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use k3_protocol::config::TextConfig;
 use k3_protocol::handoff::{load_session, HandoffState, KdaState, LayerState, MlaState};
+use k3_protocol::wire::{LayerLayout, StateLayout};
 use k3_protocol::Fingerprint;
 use mlx_rs::Array;
 
@@ -38,55 +39,119 @@ fn finite(layer: usize, tensor: &'static str, v: &[f32]) -> Result<(), IngestErr
     }
 }
 
+/// One layer of a delta, checked and in MLX arrays.
+enum StagedLayer {
+    Kda(KdaCache),
+    /// The new latent rows (None when the delta has none).
+    Mla(Option<Array>),
+}
+
+/// A delta being checked and copied into MLX arrays layer by layer, in any order (a remote
+/// transfer hands over each layer as it arrives verified, so the copy overlaps the transfer of
+/// later layers). Nothing reaches a session until [`StagedDelta::commit`]: a delta that fails
+/// half-way is dropped with its arrays, and no partial state is ever used.
+pub struct StagedDelta {
+    rows: usize,
+    layout: StateLayout,
+    layers: Vec<Option<StagedLayer>>,
+}
+
+impl StagedDelta {
+    /// A delta of `rows` new tokens for the model `c`.
+    pub fn new(c: &TextConfig, rows: usize) -> StagedDelta {
+        let layout = StateLayout::for_model(c, rows);
+        StagedDelta { rows, layers: layout.layers.iter().map(|_| None).collect(), layout }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Checks layer `layer` of the delta against the model's layout (kind, sizes, finite values)
+    /// and copies it into MLX arrays.
+    pub fn stage(&mut self, layer: usize, st: &LayerState) -> Result<()> {
+        let Some(want) = self.layout.layers.get(layer).copied() else {
+            return Err(IngestError::Shape(format!("layer {layer} is past the model's {} layers", self.layout.layers.len())).into());
+        };
+        if self.layers[layer].is_some() {
+            return Err(IngestError::Shape(format!("layer {layer} arrived twice")).into());
+        }
+        want.check_state(st).map_err(|e| IngestError::Shape(format!("layer {layer}: {e}")))?;
+        let l = layer;
+        let staged = match (want, st) {
+            (LayerLayout::Kda { heads, head_dim, window }, LayerState::Kda(k)) => {
+                let (h, d, win) = (heads as usize, head_dim as usize, window as usize);
+                finite(l, "recurrent", &k.recurrent)?;
+                finite(l, "conv_q", &k.conv_q)?;
+                finite(l, "conv_k", &k.conv_k)?;
+                finite(l, "conv_v", &k.conv_v)?;
+                StagedLayer::Kda(KdaCache {
+                    state: array_f32(&k.recurrent, &[h, d, d], &format!("kda.{l}.recurrent"))?,
+                    conv_q: array_f32(&k.conv_q, &[win, h * d], &format!("kda.{l}.conv_q"))?,
+                    conv_k: array_f32(&k.conv_k, &[win, h * d], &format!("kda.{l}.conv_k"))?,
+                    conv_v: array_f32(&k.conv_v, &[win, h * d], &format!("kda.{l}.conv_v"))?,
+                })
+            }
+            (LayerLayout::Mla { width, .. }, LayerState::Mla(m)) => {
+                finite(l, "latent", &m.latent)?;
+                let rows = self.rows;
+                StagedLayer::Mla((rows > 0).then(|| array_f32(&m.latent, &[rows, width as usize], &format!("mla.{l}.latent"))).transpose()?)
+            }
+            _ => return Err(IngestError::Shape(format!("layer {layer}: the state's kind differs from the model's")).into()),
+        };
+        self.layers[layer] = Some(staged);
+        Ok(())
+    }
+
+    /// The session's cache with the delta applied at `base` (tokens the session keeps): KDA
+    /// states replaced, each MLA layer's first `base` rows kept and the new rows appended. The
+    /// kept rows are shared with `cache` ([`crate::model::MlaCache::fork`]), not copied; `cache` keeps its
+    /// contents, so the caller swaps the result in only once it has it whole.
+    pub fn commit(self, cache: &mut ModelCache, base: usize) -> Result<ModelCache> {
+        let rows = self.rows;
+        if cache.layers.len() != self.layers.len() {
+            bail!("the delta has {} layers, the session {}", self.layers.len(), cache.layers.len());
+        }
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (l, (old, new)) in cache.layers.iter_mut().zip(self.layers).enumerate() {
+            let Some(new) = new else {
+                bail!("layer {l} of the delta never arrived");
+            };
+            out.push(match (old, new) {
+                (LayerCache::Kda(_), StagedLayer::Kda(k)) => LayerCache::Kda(k),
+                (LayerCache::Mla(m), StagedLayer::Mla(new_rows)) => {
+                    if m.rows() < base {
+                        bail!("layer {l}: the session holds {} latent rows, fewer than the delta's base {base}", m.rows());
+                    }
+                    let mut kept = m.fork()?;
+                    kept.truncate(base)?;
+                    if let Some(r) = new_rows {
+                        kept.append(&r).with_context(|| format!("layer {l}: appending latent rows"))?;
+                    }
+                    LayerCache::Mla(kept)
+                }
+                _ => bail!("layer {l}: the delta's layer kind differs from the session's"),
+            });
+        }
+        let new_cache = ModelCache { layers: out, tokens: base + rows };
+        mlx_rs::transforms::eval(new_cache.arrays()).context("evaluating the ingested state")?;
+        Ok(new_cache)
+    }
+}
+
 /// Ingests `delta` at `base` (see the module docs).
 pub fn ingest_delta(c: &TextConfig, cache: &mut ModelCache, base: usize, delta: &HandoffState) -> Result<()> {
     if base != cache.tokens {
         return Err(IngestError::Base { base, held: cache.tokens }.into());
     }
-    delta.check(c).map_err(|e| IngestError::Shape(e.to_string()))?;
-    let la = &c.linear_attn_config;
-    let (h, d) = (la.num_heads, la.head_dim);
-    let win = [c.conv_window(), c.kda_width()];
-    // Build every new array first; commit only when all layers passed.
-    enum New {
-        Kda(KdaCache),
-        Mla(Option<Array>),
+    let mut staged = StagedDelta::new(c, delta.tokens);
+    if delta.layers.len() != staged.layout.layers.len() {
+        return Err(IngestError::Shape(format!("{} layers in the state, {} in the model", delta.layers.len(), staged.layout.layers.len())).into());
     }
-    let mut staged = Vec::with_capacity(delta.layers.len());
     for (l, st) in delta.layers.iter().enumerate() {
-        staged.push(match st {
-            LayerState::Kda(k) => {
-                finite(l, "recurrent", &k.recurrent)?;
-                finite(l, "conv_q", &k.conv_q)?;
-                finite(l, "conv_k", &k.conv_k)?;
-                finite(l, "conv_v", &k.conv_v)?;
-                New::Kda(KdaCache {
-                    state: array_f32(&k.recurrent, &[h, d, d], &format!("kda.{l}.recurrent"))?,
-                    conv_q: array_f32(&k.conv_q, &win, &format!("kda.{l}.conv_q"))?,
-                    conv_k: array_f32(&k.conv_k, &win, &format!("kda.{l}.conv_k"))?,
-                    conv_v: array_f32(&k.conv_v, &win, &format!("kda.{l}.conv_v"))?,
-                })
-            }
-            LayerState::Mla(m) => {
-                finite(l, "latent", &m.latent)?;
-                let rows = m.rows();
-                New::Mla((rows > 0).then(|| array_f32(&m.latent, &[rows, m.width], &format!("mla.{l}.latent"))).transpose()?)
-            }
-        });
+        staged.stage(l, st)?;
     }
-    for (l, (slot, new)) in cache.layers.iter_mut().zip(staged).enumerate() {
-        match (slot, new) {
-            (LayerCache::Kda(k), New::Kda(n)) => *k = n,
-            (LayerCache::Mla(m), New::Mla(rows)) => {
-                if let Some(rows) = rows {
-                    m.append(&rows)?;
-                }
-            }
-            _ => bail!("layer {l}: cache kind differs from the state's (checked above; internal error)"),
-        }
-    }
-    cache.tokens = base + delta.tokens;
-    mlx_rs::transforms::eval(cache.arrays())?;
+    *cache = staged.commit(cache, base)?;
     Ok(())
 }
 

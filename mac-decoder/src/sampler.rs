@@ -1,6 +1,7 @@
 //! Choosing the next token from a logits row: greedy, or temperature / top-k / top-p sampling
 //! from a seeded generator. Pure Rust (no MLX), so the server can share it.
 
+use k3_protocol::eval::argmax;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -82,19 +83,6 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest finite value (lowest index on ties); `None` for an empty or all-NaN row.
-pub fn argmax(logits: &[f32]) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in logits.iter().enumerate() {
-        if x.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| x > b) {
-            best = Some((i, x));
-        }
-    }
-    best.map(|(i, _)| i)
-}
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {

@@ -6,7 +6,7 @@
 
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use mac_decoder::decode::{Engine, Session};
-use mac_decoder::sampler::argmax;
+use k3_protocol::eval::argmax;
 
 fn tiny() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

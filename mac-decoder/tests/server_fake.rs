@@ -341,7 +341,7 @@ async fn greedy_completion_equals_the_engine_run_directly() {
     let mut want = Vec::new();
     for _ in 0..12 {
         let l = e.logits(&sess).unwrap();
-        let t = mac_decoder::sampler::argmax(l).unwrap() as u32;
+        let t = k3_protocol::eval::argmax(l).unwrap() as u32;
         want.push(t);
         e.step(&mut sess, t).unwrap();
     }

@@ -70,7 +70,7 @@ impl Scores {
             return Err(EvalError::NonFinite { id: j, value: row[j] });
         }
         self.nll.push(logsumexp(row) - row[target as usize] as f64);
-        self.top1.push(argmax(row));
+        self.top1.push(argmax(row).map_or(0, |i| i as u32));
         Ok(())
     }
 
@@ -109,15 +109,17 @@ pub fn logsumexp(row: &[f32]) -> f64 {
     m + row.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln()
 }
 
-/// Index of the largest value, the lowest on ties; NaNs are skipped (0 for an empty or all-NaN row).
-pub fn argmax(row: &[f32]) -> u32 {
+/// Index of the largest value, the lowest on ties; NaNs are skipped (`None` for an empty or
+/// all-NaN row). The one greedy pick of the workspace: the decoder's sampler, the prefill
+/// node's greedy continuation and the evaluation scores use it.
+pub fn argmax(row: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &v) in row.iter().enumerate() {
         if !v.is_nan() && best.is_none_or(|(_, b)| v > b) {
             best = Some((i, v));
         }
     }
-    best.map_or(0, |(i, _)| i as u32)
+    best.map(|(i, _)| i)
 }
 
 /// The `k` largest ids, largest first (lower id first on ties).
@@ -198,7 +200,7 @@ impl GreedyRun {
     /// Records the step whose logits are `row`; returns the greedy token (argmax, lowest id on ties).
     pub fn push(&mut self, row: &[f32]) -> u32 {
         let top5 = top_k(row, 5);
-        let tok = argmax(row);
+        let tok = argmax(row).map_or(0, |i| i as u32);
         self.tokens.push(tok);
         self.top5.push(top5);
         tok

@@ -20,7 +20,7 @@ use crate::decode::{Engine, ImageEmbeds};
 use crate::generate::{GenerateOutput, GenerateParams};
 use crate::remote::conversation::{Conversation, RemotePlan};
 use crate::remote::route::{Outcome, RoutePolicy, Router};
-use crate::remote::staged::StagedDelta;
+use crate::ingest::StagedDelta;
 use crate::remote::timing::{CompatibleSource, Route, TurnTiming};
 
 /// How the decoder reaches its prefill node, and when it uses it.
@@ -516,7 +516,7 @@ impl RemotePrefiller {
                 match transfer.next().await.map_err(classify)? {
                     Some(TransferEvent::Layer { layer, state }) => {
                         let t = Instant::now();
-                        staged.stage(layer, state).map_err(|e| (Failure::from(e.context("staging a layer")), Severity::Reconnect))?;
+                        staged.stage(layer as usize, &state).map_err(|e| (Failure::from(e.context("staging a layer")), Severity::Reconnect))?;
                         ingest += t.elapsed();
                     }
                     Some(TransferEvent::Progress(p)) => {

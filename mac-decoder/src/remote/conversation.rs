@@ -10,17 +10,14 @@
 //! whole (the full state after every token). The rows and states the decoder computed for its
 //! own generated tokens are replaced by the node's.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use k3_protocol::config::TextConfig;
 use k3_protocol::handoff::token_prefix_hash;
 use k3_protocol::wire::{BasePrefix, SessionId};
-use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops;
 
 use crate::decode::{Engine, ImageEmbeds, Session};
 use crate::generate::{GenerateOutput, GenerateParams};
-use crate::model::{LayerCache, MlaCache, ModelCache};
-use crate::remote::staged::{StagedDelta, StagedLayer};
+use crate::ingest::StagedDelta;
 
 /// What the prefill node holds for this conversation.
 pub(crate) struct RemotePrefix {
@@ -157,35 +154,7 @@ impl Conversation {
         if base > 0 && self.remote.as_ref().map(|r| r.tokens) != Some(base) {
             bail!("internal: the delta starts at token {base}, which is not the prefix this conversation recorded");
         }
-        let cache = self.session.cache();
-        let layers = staged.into_layers()?;
-        let mut out = Vec::with_capacity(layers.len());
-        for (l, (old, new_layer)) in cache.layers.iter().zip(layers).enumerate() {
-            out.push(match (old, new_layer) {
-                (LayerCache::Kda(_), StagedLayer::Kda(k)) => LayerCache::Kda(k),
-                (LayerCache::Mla(m), StagedLayer::Mla(rows)) => {
-                    let prefix = match (m.latent()?, base) {
-                        (_, 0) | (None, _) => None,
-                        (Some(a), b) => {
-                            let have = a.shape()[0] as usize;
-                            if have < b {
-                                bail!("layer {l}: the session holds {have} latent rows, fewer than the node's prefix of {b}");
-                            }
-                            Some(if have == b { a } else { a.try_index(0..b as i32).with_context(|| format!("layer {l}: cutting the latent rows"))? })
-                        }
-                    };
-                    let latent = match (prefix, rows) {
-                        (None, r) => r,
-                        (Some(p), None) => Some(p),
-                        (Some(p), Some(r)) => Some(ops::concatenate(&[&p, &r], 0).with_context(|| format!("layer {l}: appending latent rows"))?),
-                    };
-                    LayerCache::Mla(MlaCache::from_rows(m.width, latent))
-                }
-                _ => bail!("layer {l}: the delta's layer kind differs from the session's"),
-            });
-        }
-        let new_cache = ModelCache { layers: out, tokens: base + plan.tokens.len() };
-        mlx_rs::transforms::eval(new_cache.arrays()).context("evaluating the ingested state")?;
+        let new_cache = staged.commit(self.session.cache_mut(), base)?;
         // Commit.
         *self.session.cache_mut() = new_cache;
         self.session.set_last_logits(Some(logits));

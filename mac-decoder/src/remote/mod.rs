@@ -30,7 +30,6 @@
 mod client;
 mod conversation;
 pub mod route;
-mod staged;
 pub mod timing;
 
 pub use client::{run_turn, Cancelled, RemoteOptions, RemotePrefiller};

@@ -57,5 +57,5 @@ pub fn row_errors(a: &[f32], b: &[f32], width: usize) -> Vec<f64> {
 }
 
 pub fn argmax(v: &[f32]) -> u32 {
-    mac_decoder::sampler::argmax(v).expect("non-empty row") as u32
+    k3_protocol::eval::argmax(v).expect("non-empty row") as u32
 }
