@@ -25,7 +25,7 @@ use crate::model::ffn::{latent_moe_back, latent_moe_forward, latent_moe_front, m
 use crate::model::kda::{kda_forward, KdaForm, KdaStateBufs};
 use crate::model::mla::{mla_forward, MlaLatentBufs};
 use crate::model::weights::{AttnWeights, FfnWeights, HeadWeights, LayerWeights};
-use crate::model::{Misread, Model, ModelDims};
+use crate::model::{Model, ModelDims};
 
 /// Embedding rows that replace the token embeddings at some positions (image features at the
 /// `<|media_pad|>` positions, spec §5.5). Positions count from the first NEW token.
@@ -291,7 +291,6 @@ struct LayerCtx<'a, B: Backend> {
     d: &'a ModelDims,
     w: &'a LayerWeights<B>,
     l: usize,
-    misread: Misread,
     bank_before_attn: bool,
     bank_before_mlp: bool,
     kda_form: KdaForm,
@@ -329,7 +328,7 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
         new_bank.push(banked);
     }
     let u = match (&w.attn, cache) {
-        (AttnWeights::Kda(kw), Cache::Kda(kc)) => kda_forward(b, kw, &x, kc, d, cx.kda_form, &cx.misread)?,
+        (AttnWeights::Kda(kw), Cache::Kda(kc)) => kda_forward(b, kw, &x, kc, d, cx.kda_form)?,
         (AttnWeights::Mla(mw), Cache::Mla(mc)) => mla_forward(b, mw, &x, mc, d, cx.mla_form)?,
         _ => bail!("layer {}: weights and cache kinds differ", cx.l),
     };
@@ -536,7 +535,11 @@ fn head_rows<B: Backend>(model: &Model<B>, head: &HeadWeights<B>, r: &mut InPass
             bank.push(s.get(b)?);
         }
         let p = ch.p.get(b)?;
-        let z = if model.misread.skip_output_mix {
+        #[cfg(feature = "test-knobs")]
+        let skip_output_mix = model.misread.skip_output_mix;
+        #[cfg(not(feature = "test-knobs"))]
+        let skip_output_mix = false;
+        let z = if skip_output_mix {
             b.slice_rows(&p, 0, ch.rows)?
         } else {
             let refs: Vec<&B::Buf> = bank.iter().map(|x| &**x).collect();
@@ -580,7 +583,6 @@ pub fn prefill_many_with<B: Backend>(
     let b = &*model.backend;
     let d = &model.dims;
     ensure!(opts.chunk_tokens > 0, "prefill: chunk_tokens is 0");
-    let misread = model.misread;
     let park = opts.park_on_host;
 
     let mut errors: Vec<Option<anyhow::Error>> = (0..reqs.len()).map(|_| None).collect();
@@ -635,14 +637,21 @@ pub fn prefill_many_with<B: Backend>(
         let w = feed.layer(model, l)?;
         let span = tracing::debug_span!("layer", l, attn = ?spec.attn, ffn = ?spec.ffn, requests = pass.iter().flatten().count());
         let _g = span.enter();
+        // the bank boundary before this layer's attention (spec §3.1); a planted misread moves it
+        // to sublayer boundaries
+        let (bank_before_attn, bank_before_mlp) = (spec.bank_boundary, false);
+        #[cfg(feature = "test-knobs")]
+        let (bank_before_attn, bank_before_mlp) = match model.misread.bank_boundary_sublayers {
+            true => ((2 * l) % d.block == 0, (2 * l + 1) % d.block == 0),
+            false => (bank_before_attn, bank_before_mlp),
+        };
         let cx_of = |r: &InPass<B>| LayerCtx {
             b,
             d,
             w: &w,
             l,
-            misread,
-            bank_before_attn: if misread.bank_boundary_sublayers { (2 * l) % d.block == 0 } else { spec.bank_boundary },
-            bank_before_mlp: misread.bank_boundary_sublayers && (2 * l + 1) % d.block == 0,
+            bank_before_attn,
+            bank_before_mlp,
             kda_form: r.kda_form,
             mla_form: r.mla_form,
             park,

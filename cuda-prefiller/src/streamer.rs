@@ -875,7 +875,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
             None
         };
         let mut i = 0;
-        let w = crate::model::LayerWeights::assemble(&model.ck, &model.cfg, spec, experts, |t| {
+        let w = crate::model::LayerWeights::assemble(&model.cfg, spec, experts, |t| {
             let s = img.tensors.get(i).filter(|s| s.name == t.name).ok_or_else(|| anyhow!("layer {l}: tensor {} is not where the stream plan put it", t.name))?;
             i += 1;
             let view = crate::cuda::DevMem::borrowed(gpu.clone(), base + s.off as u64, s.bytes);

@@ -102,7 +102,8 @@ pub struct Args {
     /// transfer and waits) at `GET /metrics` on this TCP address, e.g. 127.0.0.1:9433.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
-    /// Testing: sleep this many milliseconds after each layer.
+    /// Testing (feature `test-knobs`): sleep this many milliseconds after each layer.
+    #[cfg(feature = "test-knobs")]
     #[arg(long, default_value_t = 0, hide = true)]
     pub debug_layer_delay_ms: u64,
 }
@@ -115,6 +116,7 @@ impl Args {
             max_request_tokens: self.max_request_tokens,
             pass_budget_bytes: self.pass_memory,
             chunk_tokens: self.chunk_tokens.unwrap_or(512).max(1),
+            #[cfg(feature = "test-knobs")]
             layer_delay: Duration::from_millis(self.debug_layer_delay_ms),
             metrics_listen: self.metrics_listen,
             ..ServeOptions::default()

@@ -5,7 +5,7 @@
 use k3_protocol::handoff::KdaState;
 
 use super::weights::KdaWeights;
-use super::{Misread, ModelDims, KDA_CHUNK, KDA_L2_EPS};
+use super::{ModelDims, KDA_CHUNK, KDA_L2_EPS};
 use crate::backend::{Backend, KdaInputs};
 
 /// Which form of the delta-rule recurrence to run.
@@ -59,7 +59,6 @@ pub fn kda_forward<B: Backend>(
     cache: &mut KdaStateBufs<B>,
     d: &ModelDims,
     form: KdaForm,
-    misread: &Misread,
 ) -> anyhow::Result<B::Buf> {
     let dk = d.kda;
     // 1–2. projections, short causal conv + SiLU (windows hold pre-conv inputs); 4. for q and k
@@ -70,11 +69,7 @@ pub fn kda_forward<B: Backend>(
     let v = b.short_conv_silu(&b.gemm(x, &w.v_proj)?, &w.v_conv, &mut cache.conv_v)?;
     // 5. decay gate from the low-rank f_a/f_b projection.
     let z = b.gemm(&b.gemm(x, &w.f_a)?, &w.f_b)?;
-    let g = if misread.a_log_per_channel {
-        gate_per_channel(b, &z, w, d)?
-    } else {
-        b.kda_gate(&z, &w.a_log, &w.dt_bias, dk, d.gate_lower_bound)?
-    };
+    let g = decay_gate(b, &z, w, d)?;
     // 6. write strength.
     let beta = b.sigmoid(&b.gemm(x, &w.b_proj)?)?;
     // 7. delta rule.
@@ -89,22 +84,48 @@ pub fn kda_forward<B: Backend>(
     b.gemm(&o, &w.o_proj)
 }
 
-/// The planted misread: `exp(A_log[d])` per key channel `d`, computed on the host.
-fn gate_per_channel<B: Backend>(b: &B, z: &B::Buf, w: &KdaWeights<B>, d: &ModelDims) -> anyhow::Result<B::Buf> {
-    use crate::backend::DeviceBuf;
-    let dk = d.kda;
-    anyhow::ensure!(w.a_log_stored.len() >= dk.head_dim, "A_log holds {} values, fewer than head_dim", w.a_log_stored.len());
-    let zh = b.download(z)?;
-    let width = dk.width();
-    let lb = d.gate_lower_bound.unwrap_or(-5.0);
-    let g: Vec<f32> = zh
-        .iter()
-        .enumerate()
-        .map(|(i, &zv)| {
-            let c = i % width;
-            let a = w.a_log_stored[c % dk.head_dim].exp();
-            lb * crate::act::sigmoid(a * (zv + w.dt_bias_host[c]))
-        })
-        .collect();
-    b.upload(&g, z.rows(), z.cols())
+/// Step 5's gate from `z`: the backend's per-head gate, or a planted misread's.
+fn decay_gate<B: Backend>(b: &B, z: &B::Buf, w: &KdaWeights<B>, d: &ModelDims) -> anyhow::Result<B::Buf> {
+    #[cfg(feature = "test-knobs")]
+    if let Some(planted) = &w.planted_gate {
+        return planted.gate(b, z, d);
+    }
+    b.kda_gate(z, &w.a_log, &w.dt_bias, d.kda, d.gate_lower_bound)
+}
+
+/// The planted misread of `A_log` (feature `test-knobs`: tests only): `exp(A_log[d])` per key
+/// channel `d` instead of per head, computed on the host from the stored tensors.
+#[cfg(feature = "test-knobs")]
+#[derive(Debug, Clone)]
+pub struct PlantedGate {
+    /// The stored `A_log` (all entries) and `dt_bias`.
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+}
+
+#[cfg(feature = "test-knobs")]
+impl PlantedGate {
+    pub fn load(ck: &k3_protocol::Checkpoint, l: usize) -> anyhow::Result<Self> {
+        let t = |s: &str| ck.tensor(&k3_protocol::tensors::layer_tensor(l, s))?.to_f32();
+        Ok(PlantedGate { a_log: t("self_attn.A_log")?, dt_bias: t("self_attn.dt_bias")? })
+    }
+
+    fn gate<B: Backend>(&self, b: &B, z: &B::Buf, d: &ModelDims) -> anyhow::Result<B::Buf> {
+        use crate::backend::DeviceBuf;
+        let dk = d.kda;
+        anyhow::ensure!(self.a_log.len() >= dk.head_dim, "A_log holds {} values, fewer than head_dim", self.a_log.len());
+        let zh = b.download(z)?;
+        let width = dk.width();
+        let lb = d.gate_lower_bound.unwrap_or(-5.0);
+        let g: Vec<f32> = zh
+            .iter()
+            .enumerate()
+            .map(|(i, &zv)| {
+                let c = i % width;
+                let a = self.a_log[c % dk.head_dim].exp();
+                lb * crate::act::sigmoid(a * (zv + self.dt_bias[c]))
+            })
+            .collect();
+        b.upload(&g, z.rows(), z.cols())
+    }
 }

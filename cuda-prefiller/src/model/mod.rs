@@ -74,8 +74,8 @@ impl ModelDims {
 }
 
 /// Deliberate misreadings of the spec, planted by tests to show that each one breaks parity
-/// with the golden outputs. Never set outside tests.
-#[doc(hidden)]
+/// with the golden outputs (feature `test-knobs`: tests only).
+#[cfg(feature = "test-knobs")]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Misread {
     /// Read `kda_layers`/`full_attn_layers` as 0-based (`is_kda(l) ⇔ l ∈ kda_layers`).
@@ -89,6 +89,7 @@ pub struct Misread {
     pub a_log_per_channel: bool,
 }
 
+#[cfg(feature = "test-knobs")]
 impl Misread {
     /// The layer plan as this (mis)reading derives it.
     pub fn layer_plan(&self, c: &TextConfig) -> Vec<LayerSpec> {
@@ -120,7 +121,7 @@ pub struct Model<B: Backend> {
     pub plan: Vec<LayerSpec>,
     pub dims: ModelDims,
     pub policy: WeightPolicy,
-    #[doc(hidden)]
+    #[cfg(feature = "test-knobs")]
     pub misread: Misread,
     resident: Vec<Arc<LayerWeights<B>>>,
     head: Option<Arc<HeadWeights<B>>>,
@@ -130,29 +131,53 @@ impl<B: Backend> Model<B> {
     /// Builds the model over an opened checkpoint; with [`WeightPolicy::Resident`] every layer
     /// is loaded now.
     pub fn new(backend: Arc<B>, ck: Arc<Checkpoint>, policy: WeightPolicy) -> anyhow::Result<Self> {
-        Self::with_misread(backend, ck, policy, Misread::default())
-    }
-
-    #[doc(hidden)]
-    pub fn with_misread(backend: Arc<B>, ck: Arc<Checkpoint>, policy: WeightPolicy, misread: Misread) -> anyhow::Result<Self> {
         let cfg = ck.config().text_config.clone();
-        let plan = misread.layer_plan(&cfg);
+        let plan = cfg.layer_plan();
         let dims = ModelDims::of(&cfg);
-        let mut m = Model { backend, ck, cfg, plan, dims, policy, misread, resident: Vec::new(), head: None };
-        if policy == WeightPolicy::Resident {
-            let mut layers = Vec::with_capacity(m.plan.len());
-            for &spec in &m.plan {
-                layers.push(Arc::new(m.load_layer(spec)?));
-            }
-            m.resident = layers;
-            m.head = Some(Arc::new(m.load_head()?));
-        }
-        tracing::debug!(layers = m.plan.len(), backend = m.backend.name(), ?policy, "model ready");
+        let mut m = Model {
+            backend,
+            ck,
+            cfg,
+            plan,
+            dims,
+            policy,
+            #[cfg(feature = "test-knobs")]
+            misread: Misread::default(),
+            resident: Vec::new(),
+            head: None,
+        };
+        m.load_resident()?;
         Ok(m)
     }
 
+    /// [`Model::new`] under a planted misreading (feature `test-knobs`: tests only).
+    #[cfg(feature = "test-knobs")]
+    pub fn with_misread(backend: Arc<B>, ck: Arc<Checkpoint>, policy: WeightPolicy, misread: Misread) -> anyhow::Result<Self> {
+        let mut m = Self::new(backend, ck, WeightPolicy::PerLayer)?;
+        m.plan = misread.layer_plan(&m.cfg);
+        m.misread = misread;
+        m.policy = policy;
+        m.load_resident()?;
+        Ok(m)
+    }
+
+    /// With [`WeightPolicy::Resident`], loads every layer and the head now.
+    fn load_resident(&mut self) -> anyhow::Result<()> {
+        if self.policy == WeightPolicy::Resident {
+            let mut layers = Vec::with_capacity(self.plan.len());
+            for &spec in &self.plan {
+                layers.push(Arc::new(self.load_layer(spec)?));
+            }
+            self.resident = layers;
+            self.head = Some(Arc::new(self.load_head()?));
+        }
+        tracing::debug!(layers = self.plan.len(), backend = self.backend.name(), policy = ?self.policy, "model ready");
+        Ok(())
+    }
+
     fn load_layer(&self, spec: LayerSpec) -> anyhow::Result<LayerWeights<B>> {
-        LayerWeights::load(&*self.backend, &self.ck, &self.cfg, spec).with_context(|| {
+        #[allow(unused_mut)]
+        let mut w = LayerWeights::load(&*self.backend, &self.ck, &self.cfg, spec).with_context(|| {
             format!(
                 "layer {} ({} attention, {} FFN)",
                 spec.index,
@@ -165,7 +190,12 @@ impl<B: Backend> Model<B> {
                     FfnKind::LatentMoe => "latent MoE",
                 }
             )
-        })
+        })?;
+        #[cfg(feature = "test-knobs")]
+        if let (true, weights::AttnWeights::Kda(k)) = (self.misread.a_log_per_channel, &mut w.attn) {
+            k.planted_gate = Some(kda::PlantedGate::load(&self.ck, spec.index)?);
+        }
+        Ok(w)
     }
 
     fn load_head(&self) -> anyhow::Result<HeadWeights<B>> {

@@ -42,12 +42,9 @@ pub struct KdaWeights<B: Backend> {
     pub dt_bias: B::Weight,
     /// One value per head: the first `num_heads` entries of the stored `[head_dim]` tensor.
     pub a_log: B::Weight,
-    /// Host copies of the stored `A_log` (all entries) and `dt_bias`, for the planted
-    /// per-channel misread only.
-    #[doc(hidden)]
-    pub a_log_stored: Vec<f32>,
-    #[doc(hidden)]
-    pub dt_bias_host: Vec<f32>,
+    /// The planted per-channel `A_log` misread (feature `test-knobs`; set by `Model` only).
+    #[cfg(feature = "test-knobs")]
+    pub planted_gate: Option<super::kda::PlantedGate>,
     pub b_proj: B::Weight,
     pub g_proj: B::Weight,
     pub o_norm: B::Weight,
@@ -211,7 +208,7 @@ impl<B: Backend> LayerWeights<B> {
                 Some(b.load_experts(&host).with_context(|| format!("layer {}: routed experts", spec.index))?)
             }
         };
-        Self::assemble(ck, c, spec, experts, |t| {
+        Self::assemble(c, spec, experts, |t| {
             if t.prefix {
                 let v = ck.f32_prefix(&t.name, t.rows * t.cols)?;
                 b.load_dense(&HostTensor::from_f32(t.name.clone(), t.rows, t.cols, &v))
@@ -225,7 +222,6 @@ impl<B: Backend> LayerWeights<B> {
     /// [`layer_dense_tensors`], in order), and its routed experts (`None` for a latent MoE layer
     /// whose experts a weight feed streams in chunks).
     pub fn assemble(
-        ck: &Checkpoint,
         c: &TextConfig,
         spec: LayerSpec,
         experts: Option<B::Experts>,
@@ -240,7 +236,6 @@ impl<B: Backend> LayerWeights<B> {
         let mut d = |s: &str| got.remove(&layer_tensor(l, s)).with_context(|| format!("layer {l}: tensor {} was not fetched", layer_tensor(l, s)));
         let attn = match spec.attn {
             AttnKind::Kda => {
-                let a_name = layer_tensor(l, "self_attn.A_log");
                 AttnWeights::Kda(KdaWeights {
                     q_proj: d("self_attn.q_proj.weight")?,
                     k_proj: d("self_attn.k_proj.weight")?,
@@ -252,8 +247,8 @@ impl<B: Backend> LayerWeights<B> {
                     f_b: d("self_attn.f_b_proj.weight")?,
                     dt_bias: d("self_attn.dt_bias")?,
                     a_log: d("self_attn.A_log")?,
-                    a_log_stored: ck.tensor(&a_name)?.to_f32()?,
-                    dt_bias_host: ck.tensor(&layer_tensor(l, "self_attn.dt_bias"))?.to_f32()?,
+                    #[cfg(feature = "test-knobs")]
+                    planted_gate: None,
                     b_proj: d("self_attn.b_proj.weight")?,
                     g_proj: d("self_attn.g_proj.weight")?,
                     o_norm: d("self_attn.o_norm.weight")?,

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
+#[cfg(feature = "test-knobs")]
 use std::time::Duration;
 
 use k3_protocol::config::TextConfig;
@@ -28,8 +29,8 @@ pub struct ServeOptions {
     pub chunk_tokens: usize,
     /// Finished layers the worker may hold while the network is behind.
     pub layer_buffer: usize,
-    /// Test hook: the worker sleeps this long after each layer.
-    #[doc(hidden)]
+    /// Test hook (feature `test-knobs`): the worker sleeps this long after each layer.
+    #[cfg(feature = "test-knobs")]
     pub layer_delay: Duration,
     /// Stream each prompt's weights through these (CUDA backend; `None`: the model's own).
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
@@ -66,6 +67,7 @@ impl Default for ServeOptions {
             max_request_tokens: 1 << 20,
             chunk_tokens: 512,
             layer_buffer: 2,
+            #[cfg(feature = "test-knobs")]
             layer_delay: Duration::ZERO,
             streamed: None,
             metrics_listen: None,

@@ -90,6 +90,7 @@ impl PrefillNode {
             worker::WorkerOptions {
                 chunk_tokens: opts.chunk_tokens,
                 streamed: opts.streamed.clone(),
+                #[cfg(feature = "test-knobs")]
                 layer_delay: opts.layer_delay,
                 source_rate: opts.source_bytes_per_s.map(|r| (r, Arc::new(layer_bytes))),
                 pass_budget_bytes: opts.pass_budget_bytes,

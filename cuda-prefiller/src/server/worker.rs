@@ -91,7 +91,9 @@ pub struct WorkerOptions {
     pub chunk_tokens: usize,
     /// Stream each pass's weights through these (the model's backend is then CUDA).
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
-    /// Test hook: sleep this long after each layer of a pass (makes a transfer slow enough to kill).
+    /// Test hook (feature `test-knobs`): sleep this long after each layer of a pass (makes a
+    /// transfer slow enough to kill).
+    #[cfg(feature = "test-knobs")]
     pub layer_delay: Duration,
     /// Test option: a weight source capped at this many bytes per second — layer l may finish
     /// only once `layer_bytes[..=l]` could have been read since the pass started (reads run
@@ -218,6 +220,7 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
                 // Once per layer of the pass, whatever the number of requests in it.
                 if paced != Some(ev.layer) {
                     paced = Some(ev.layer);
+                    #[cfg(feature = "test-knobs")]
                     if !opts.layer_delay.is_zero() {
                         std::thread::sleep(opts.layer_delay);
                     }
