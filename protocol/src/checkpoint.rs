@@ -81,6 +81,15 @@ struct Shard {
     map: Mmap,
 }
 
+/// The digest cache of one checkpoint's weights, and the per-layer verification state (filled by
+/// [`crate::fingerprint`]).
+#[derive(Default)]
+pub(crate) struct IdentityCache {
+    pub(crate) digest: std::sync::OnceLock<crate::weight_digest::WeightDigest>,
+    /// `Some(result)` once a layer was verified in this process.
+    pub(crate) layers: std::sync::Mutex<HashMap<usize, Result<(), std::sync::Arc<CheckpointError>>>>,
+}
+
 /// An opened checkpoint.
 pub struct Checkpoint {
     dir: PathBuf,
@@ -88,7 +97,7 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     entries: HashMap<String, TensorEntry>,
     /// Weight digests and per-layer verification (see [`crate::fingerprint`]).
-    identity: crate::fingerprint::IdentityCache,
+    identity: IdentityCache,
 }
 
 #[derive(Deserialize)]
@@ -288,7 +297,7 @@ impl Checkpoint {
         self.shards.len()
     }
 
-    pub(crate) fn identity(&self) -> &crate::fingerprint::IdentityCache {
+    pub(crate) fn identity(&self) -> &IdentityCache {
         &self.identity
     }
 

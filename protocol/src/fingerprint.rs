@@ -17,14 +17,13 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::K3Config;
+pub use crate::weight_digest::{ShardStamp, TensorDigest, WeightDigest};
 
 /// 32-byte model fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -98,32 +97,6 @@ pub fn model_fingerprint_of(config: &K3Config, tensors: &mut [IndexEntry], weigh
     Fingerprint(h.finalize().into())
 }
 
-/// Digest of one tensor's bytes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TensorDigest {
-    /// SHA-256 over the SHA-256 of each [`PIECE`]-byte piece (hex): the identity.
-    pub sha256: String,
-    /// CRC32C of all bytes: the fast check on use.
-    pub crc32c: u32,
-    pub bytes: u64,
-}
-
-/// Size, mtime and name of one shard when its digests were made.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardStamp {
-    pub name: String,
-    pub size: u64,
-    pub mtime_ns: u128,
-}
-
-/// The digests of every tensor of a checkpoint, and the shard stamps they were made from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WeightDigest {
-    pub version: u32,
-    pub shards: Vec<ShardStamp>,
-    pub tensors: HashMap<String, TensorDigest>,
-}
-
 /// Bytes hashed per task (a tensor larger than this is split; its pieces hash in parallel).
 pub const PIECE: usize = 16 << 20;
 const DIGEST_VERSION: u32 = 1;
@@ -131,14 +104,6 @@ const DIGEST_VERSION: u32 = 1;
 pub const DIGEST_FILE: &str = ".k3-weights.digest.json";
 /// Models smaller than this hash without a progress bar.
 const PROGRESS_FROM_BYTES: u64 = 256 << 20;
-
-/// The digest cache of one checkpoint's weights, and the per-layer verification state.
-#[derive(Default)]
-pub(crate) struct IdentityCache {
-    digest: OnceLock<WeightDigest>,
-    /// `Some(result)` once a layer was verified in this process.
-    layers: std::sync::Mutex<HashMap<usize, Result<(), std::sync::Arc<CheckpointError>>>>,
-}
 
 fn stamp(path: &Path, name: &str) -> Option<ShardStamp> {
     let m = std::fs::metadata(path).ok()?;

@@ -6,6 +6,7 @@
 //! - [`files`]: opening only regular files (a FIFO in place of a shard is refused, never waited on).
 //! - [`mxfp4`]: the compressed-tensors MXFP4 layout, decoded bit-exactly.
 //! - [`fingerprint`]: the model fingerprint both nodes compare.
+//! - [`weight_digest`]: the per-tensor weight digests a checkpoint caches (data only).
 //! - [`prune`]: routed-expert pruning: calibration statistics, selection, the pruned checkpoint.
 //! - [`fit`]: which (pruned) model and context length fit which Mac.
 //! - [`handoff`]: the canonical hand-off state and its session file.
@@ -31,6 +32,7 @@ pub mod tensors;
 pub mod testdata;
 pub mod tokenizer;
 pub mod transport;
+pub mod weight_digest;
 pub mod wire;
 
 pub use checkpoint::{Checkpoint, CheckpointError, TensorView};
