@@ -68,7 +68,7 @@ LAYERS = {
         ["", "main"],
     ],
     "mac-decoder": [
-        ["sampler", "tokenizer", "mlx", "distributed"],
+        ["sampler", "tokenizer", "mlx", "distributed", "memory"],
         ["chat", "model", "generate"],
         ["ingest", "vision"],
         ["decode"],

@@ -90,7 +90,7 @@ impl Session {
     }
 }
 
-pub use crate::generate::{FinishReason, GenerateOutput, GenerateParams};
+pub use crate::generate::{GenerateOutput, GenerateParams, LoopEnd};
 
 /// A loaded K3 model.
 pub struct Engine {

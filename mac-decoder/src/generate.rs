@@ -69,9 +69,12 @@ pub fn logprobs_of(logits: &[f32], token: u32, top: usize) -> (f32, Vec<(u32, f3
     (chosen, best.into_iter().map(|(i, x)| (i, lp(x))).collect())
 }
 
-/// Why the loop ended.
+/// Why the decode loop ended: the loop's own reason, which the server turns into the reply's
+/// client-facing [`crate::chat::parse::FinishReason`] (`stop` / `tool_calls` / `length`) once
+/// the chat parser has seen the output. A separate type because `Cancelled` never reaches a
+/// client and `tool_calls` is not the loop's to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
+pub enum LoopEnd {
     /// `max_new_tokens` reached.
     Length,
     /// A stop token was emitted.
@@ -83,7 +86,7 @@ pub enum FinishReason {
 #[derive(Debug, Clone)]
 pub struct GenerateOutput {
     pub tokens: Vec<u32>,
-    pub finish: FinishReason,
+    pub finish: LoopEnd,
     /// Time spent in decode steps (sampling included).
     pub decode_time: Duration,
     /// Part of `decode_time` spent computing constraint masks.
@@ -128,7 +131,7 @@ pub struct Decoding<'c> {
     tokens: Vec<u32>,
     started: Instant,
     mask_time: Duration,
-    finish: Option<FinishReason>,
+    finish: Option<LoopEnd>,
     /// Why the sequence failed (a sampling or constraint error of its own).
     failed: Option<anyhow::Error>,
 }
@@ -136,7 +139,7 @@ pub struct Decoding<'c> {
 impl<'c> Decoding<'c> {
     pub fn new(params: GenerateParams, constraint: Option<Box<dyn TokenConstraint + 'c>>) -> Result<Self> {
         let sampler = Sampler::new(params.sampling.clone()).map_err(|e| anyhow!("sampling parameters: {e}"))?;
-        let finish = (params.max_new_tokens == 0).then_some(FinishReason::Length);
+        let finish = (params.max_new_tokens == 0).then_some(LoopEnd::Length);
         let cap = params.max_new_tokens.min(4096);
         Ok(Decoding {
             params,
@@ -168,7 +171,7 @@ impl<'c> Decoding<'c> {
         }
         let out = GenerateOutput {
             tokens: self.tokens,
-            finish: self.finish.unwrap_or(FinishReason::Cancelled),
+            finish: self.finish.unwrap_or(LoopEnd::Cancelled),
             decode_time: self.started.elapsed(),
             mask_time: self.mask_time,
         };
@@ -206,11 +209,11 @@ impl<'c> Decoding<'c> {
     fn record(&mut self, tok: u32, go_on: bool) {
         self.tokens.push(tok);
         if self.params.stop_tokens.contains(&tok) {
-            self.finish = Some(FinishReason::Stop);
+            self.finish = Some(LoopEnd::Stop);
         } else if !go_on {
-            self.finish = Some(FinishReason::Cancelled);
+            self.finish = Some(LoopEnd::Cancelled);
         } else if self.tokens.len() >= self.params.max_new_tokens {
-            self.finish = Some(FinishReason::Length);
+            self.finish = Some(LoopEnd::Length);
         }
     }
 }
@@ -296,18 +299,18 @@ mod tests {
     fn stops_at_length_stop_token_and_cancel_and_feeds_every_token() {
         let mut c = counter();
         let out = generate(&mut c, &GenerateParams::greedy(3), |_| true).unwrap();
-        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3, 4], FinishReason::Length));
+        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3, 4], LoopEnd::Length));
         assert_eq!(c.fed, out.tokens);
 
         let mut c = counter();
         let p = GenerateParams { stop_tokens: vec![5], ..GenerateParams::greedy(10) };
         let out = generate(&mut c, &p, |_| true).unwrap();
-        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3, 4, 5], FinishReason::Stop));
+        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3, 4, 5], LoopEnd::Stop));
         assert_eq!(c.fed, out.tokens);
 
         let mut c = counter();
         let out = generate(&mut c, &GenerateParams::greedy(10), |t| t != 3).unwrap();
-        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3], FinishReason::Cancelled));
+        assert_eq!((out.tokens.clone(), out.finish), (vec![2, 3], LoopEnd::Cancelled));
         assert_eq!(c.fed, out.tokens);
     }
 

@@ -38,7 +38,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, ChatRequest};
-use super::{chat_prompt, fail, finish_all, now_secs, off_runtime, start_chat, AppState, ChatJob, ChatStep};
+use super::pipeline::{chat_prompt, content_with_stops, fail, finish_all, now_secs, off_runtime, start_chat, AppState, ChatJob, ChatStep};
 use crate::chat::parse::{FinishReason, OutputEvent, ToolCall};
 use crate::chat::Json;
 use super::worker::GenEvent;
@@ -451,7 +451,7 @@ async fn whole(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest
     if !out.reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": out.reasoning, "signature": ""}));
     }
-    let text = super::content_with_stops(&out.content, &req.gen.stop);
+    let text = content_with_stops(&out.content, &req.gen.stop);
     if !text.is_empty() {
         content.push(json!({"type": "text", "text": text}));
     }

@@ -564,6 +564,9 @@ fn image_part_url<'a>(p: &'a Json, ty: &str) -> Result<&'a str, ImageUrlError> {
 /// Largest decoded image accepted (the pre-processor's own limit).
 pub const MAX_IMAGE_BYTES: usize = 64 << 20;
 
+/// Largest request body: a data-URL image of [`MAX_IMAGE_BYTES`] is 4/3 of it in base64.
+pub const MAX_BODY_BYTES: usize = MAX_IMAGE_BYTES / 3 * 4 + (8 << 20);
+
 /// Why an image part gives no image bytes (a client error).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ImageUrlError {

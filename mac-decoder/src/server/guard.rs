@@ -58,7 +58,7 @@ impl Default for GuardOptions {
             max_concurrent: 64,
             body_timeout: Duration::from_secs(30),
             header_timeout: HEADER_READ_TIMEOUT,
-            max_body_bytes: crate::server::MAX_BODY_BYTES,
+            max_body_bytes: crate::server::api::MAX_BODY_BYTES,
             retry_after_s: 2,
         }
     }

@@ -26,7 +26,7 @@ use super::engine::{GenerationEngine, PrefillReport};
 use super::metrics::Metrics;
 use super::engine::MediaSupport;
 use super::sessions::{MediaKey, SessionStore};
-use crate::generate::{BatchStep, Decoding, Emitted, FinishReason, GenerateParams};
+use crate::generate::{BatchStep, Decoding, Emitted, GenerateParams, LoopEnd};
 use crate::sampler::{SamplingParams, TokenConstraint};
 use crate::vision::PreprocessedImage;
 
@@ -162,7 +162,7 @@ pub enum GenEvent {
     /// The prompt is in: how much was reused and how the rest was prefilled.
     Prefilled { reused_tokens: usize, report: PrefillReport },
     Token(Emitted),
-    Done { finish: FinishReason, generated: usize, decode_seconds: f64 },
+    Done { finish: LoopEnd, generated: usize, decode_seconds: f64 },
     Error(String),
 }
 
@@ -578,7 +578,7 @@ impl<S: 'static> Worker<S> {
         self.metrics.constraint_mask_seconds.inc_by(out.mask_time.as_secs_f64());
         let (generated, finish) = (out.tokens, out.finish);
         let decode_seconds = out.decode_time.as_secs_f64();
-        if finish == FinishReason::Cancelled {
+        if finish == LoopEnd::Cancelled {
             self.metrics.cancelled.inc();
         }
         self.metrics.generated_tokens.inc_by(generated.len() as u64);

@@ -9,6 +9,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+/// Default (and largest) bound of one attention score block of the vision tower (256 MiB); see
+/// [`attention_score_bytes`] and `tower`.
+pub const ATTN_SCORE_BYTES: usize = 256 << 20;
+
 /// What fills transparent pixels.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BgPattern {
@@ -64,11 +68,11 @@ pub fn vision_memory_budget() -> Option<u64> {
 }
 
 /// The attention score block of the tower for a memory budget: a sixteenth of the budget,
-/// between 1 MiB and [`super::ATTN_SCORE_BYTES`] (the latter when unbounded). A machine (or a
+/// between 1 MiB and [`ATTN_SCORE_BYTES`] (the latter when unbounded). A machine (or a
 /// `K3_VISION_MEMORY_BYTES`) with little memory attends in smaller blocks rather than refusing
 /// every image.
 pub fn attention_score_bytes(budget: Option<u64>) -> usize {
-    budget.map_or(super::ATTN_SCORE_BYTES, |b| (b / 16).clamp(1 << 20, super::ATTN_SCORE_BYTES as u64) as usize)
+    budget.map_or(ATTN_SCORE_BYTES, |b| (b / 16).clamp(1 << 20, ATTN_SCORE_BYTES as u64) as usize)
 }
 
 /// Most patches a memory budget holds: the budget less three attention score blocks of
@@ -130,7 +134,7 @@ impl MediaProcConfig {
             transparent_bg: Some(BgPattern::Chessboard { square: 8, white_top_left: true, white: 255, gray: 180 }),
             fill_stage: FillStage::AfterResize,
             memory_patch_limit: usize::MAX,
-            attention_score_bytes: super::ATTN_SCORE_BYTES,
+            attention_score_bytes: ATTN_SCORE_BYTES,
         }
     }
 
@@ -277,7 +281,7 @@ impl RawMediaProcCfg {
             transparent_bg,
             fill_stage,
             memory_patch_limit: usize::MAX,
-            attention_score_bytes: super::ATTN_SCORE_BYTES,
+            attention_score_bytes: ATTN_SCORE_BYTES,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -1,6 +1,8 @@
 //! MoonViT-V2 vision (spec §5): image pre-processing, the tower and projector, and the media
 //! tokens of the prompt.
 //!
+//! - [`encoder`]: what every encoder shares: the [`VisionEncoder`] trait, its outputs
+//!   ([`ImageFeatures`], [`VisionTrace`]), [`VisionError`], [`NormEps`].
 //! - [`media_config`]: `preprocessor_config.json` (`media_proc_cfg`), defaults as published.
 //! - [`preprocess`]: decode, resize rule and patch budgets, background fill, patches and grid.
 //! - [`resample`]: Pillow's bicubic resize, re-implemented (the reference resizes with Pillow).
@@ -12,8 +14,10 @@
 //!   and the expansion of each pad into its image's feature rows.
 //!
 //! Entry points for the rest of the decoder: [`encode_image_bytes`] (bytes → features, e.g. an
-//! OpenAI `image_url` data URL after base64 decoding) and [`prompt::expand_media`].
+//! OpenAI `image_url` data URL after base64 decoding) and [`prompt::expand_media`]. This module
+//! only assembles the encoders ([`ReferenceEncoder`], `MlxVisionEncoder`) from the files below it.
 
+pub mod encoder;
 pub mod media_config;
 pub mod positions;
 pub mod preprocess;
@@ -26,102 +30,14 @@ pub mod projector;
 #[cfg(feature = "mlx")]
 pub mod tower;
 
-use k3_protocol::{Checkpoint, CheckpointError, VisionConfig};
+use k3_protocol::{Checkpoint, VisionConfig};
 
-pub use media_config::MediaProcConfig;
+pub use encoder::{ImageFeatures, NormEps, VisionEncoder, VisionError, VisionTrace};
+pub use media_config::{MediaProcConfig, ATTN_SCORE_BYTES};
 
-/// Default bound of one attention score block of the tower (256 MiB); see `tower`.
-pub const ATTN_SCORE_BYTES: usize = 256 << 20;
 pub use preprocess::{preprocess_bytes, PreprocessError, PreprocessedImage};
 pub use prompt::{expand_media, expand_media_ids, ExpandedIds, ExpandedPrompt, ImageEmbeds};
 pub use weights::VisionWeights;
-
-/// The epsilon of the vision RMSNorms (norm0, norm1, final_layernorm), which the reference
-/// builds without one: the dtype's machine epsilon (spec §3.0, §8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum NormEps {
-    /// 2⁻⁷ = finfo(bfloat16).eps: the released model (tower in BF16). Golden `vision.output_bf16eps`.
-    #[default]
-    Bf16,
-    /// 1.19e-7 = finfo(float32).eps: a float32 run of the reference. Golden `vision.output`.
-    F32,
-}
-
-impl NormEps {
-    pub fn value(self) -> f32 {
-        match self {
-            NormEps::Bf16 => 1.0 / 128.0,
-            NormEps::F32 => f32::EPSILON,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum VisionError {
-    #[error(transparent)]
-    Preprocess(#[from] PreprocessError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    #[error("vision input: {0}")]
-    Input(String),
-    #[error("vision config: {0}")]
-    Config(String),
-    #[error("MLX vision tower: {0}")]
-    Mlx(String),
-}
-
-/// Every stage of one image through the tower (row-major f32).
-#[derive(Debug, Clone, PartialEq)]
-pub struct VisionTrace {
-    pub n_patches: usize,
-    /// Merged tokens (rows of `merged` and `output`).
-    pub rows: usize,
-    /// `[n_patches, vt_hidden]`: patch embedding + interpolated positions.
-    pub embed: Vec<f32>,
-    /// `[n_patches, vt_hidden]`: after the last block and final_layernorm.
-    pub encoder: Vec<f32>,
-    /// `[rows, merge² · vt_hidden]`: the 2×2 neighbourhoods.
-    pub merged: Vec<f32>,
-    /// `[rows, text_hidden]`: projector output, the rows that replace the media pads.
-    pub output: Vec<f32>,
-}
-
-/// The features of one image: `rows × dim` embeddings for its media pads.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ImageFeatures {
-    pub rows: usize,
-    pub dim: usize,
-    pub data: Vec<f32>,
-    pub grid_thw: [usize; 3],
-    /// Original pixel size `(W, H)`.
-    pub original_size: (usize, usize),
-}
-
-impl ImageFeatures {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.dim..(i + 1) * self.dim]
-    }
-}
-
-/// A vision tower + projector: the CPU reference or MLX.
-pub trait VisionEncoder {
-    fn vision_config(&self) -> &VisionConfig;
-    fn media_config(&self) -> &MediaProcConfig;
-    /// Runs one pre-processed image, keeping every stage.
-    fn encode_trace(&self, img: &PreprocessedImage) -> Result<VisionTrace, VisionError>;
-
-    /// Runs one pre-processed image.
-    fn encode(&self, img: &PreprocessedImage) -> Result<ImageFeatures, VisionError> {
-        let t = self.encode_trace(img)?;
-        Ok(ImageFeatures {
-            rows: t.rows,
-            dim: self.vision_config().text_hidden_size,
-            data: t.output,
-            grid_thw: img.grid_thw,
-            original_size: img.original_size,
-        })
-    }
-}
 
 /// The CPU reference as a [`VisionEncoder`].
 pub struct ReferenceEncoder {

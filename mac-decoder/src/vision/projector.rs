@@ -5,7 +5,7 @@ use mlx_rs::{fast, nn, Array};
 
 use super::tower::linear;
 use super::weights::VisionWeights;
-use super::VisionError;
+use super::encoder::VisionError;
 use crate::mlx::array_f32;
 
 pub struct Projector {

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use super::ImageFeatures;
+use super::encoder::ImageFeatures;
 
 pub const MEDIA_BEGIN: &str = "<|media_begin|>";
 pub const MEDIA_CONTENT: &str = "<|media_content|>";

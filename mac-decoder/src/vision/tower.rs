@@ -8,7 +8,8 @@ use mlx_rs::{fast, nn, ops, Array};
 use super::positions::{interpolate_pos_emb, rope_2d};
 use super::reference::check_input;
 use super::weights::VisionWeights;
-use super::{NormEps, PreprocessedImage, VisionError};
+use super::encoder::{NormEps, VisionError};
+use super::preprocess::PreprocessedImage;
 use crate::mlx::array_f32;
 
 type R<T> = Result<T, VisionError>;
@@ -52,7 +53,7 @@ pub struct VisionTower {
 /// Default bound of one attention score tensor (256 MiB). Each query block is evaluated before
 /// the next is built, so this bounds the scores alive at once (MLX is lazy: blocks left unevaluated
 /// are all materialised together when the result is used, and the bound would not hold).
-pub const DEFAULT_ATTN_SCORE_BYTES: usize = super::ATTN_SCORE_BYTES;
+pub const DEFAULT_ATTN_SCORE_BYTES: usize = super::media_config::ATTN_SCORE_BYTES;
 
 /// The tower's outputs for one image, as MLX arrays.
 pub struct TowerOutput {
