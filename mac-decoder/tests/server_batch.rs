@@ -6,15 +6,13 @@
 //! its job, whose slot frees at once.
 
 use std::io::{Read, Write};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mac_decoder::server::engine::FakeEngine;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
-use mac_decoder::tokenizer::Tokenizer;
+use mac_decoder::server::worker::StoreOptions;
 use serde_json::{json, Value};
+use support::FakeEngine;
+
+mod support;
 
 const VOCAB: usize = 1024;
 const CONTEXT: usize = 6000;
@@ -31,28 +29,16 @@ async fn start(step_delay: Duration, prefill_delay_per_token: Duration) -> Serve
 }
 
 async fn start_chunked(step_delay: Duration, prefill_delay_per_token: Duration, prefill_chunk: Option<usize>) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
-    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
-    let engine = EngineHandle::spawn(
-        move || {
-            let mut e = FakeEngine::new(VOCAB, CONTEXT, vec![], 1, |_: &[u32]| vec![]);
-            e.step_delay = step_delay;
-            e.prefill_delay_per_token = prefill_delay_per_token;
-            e.prefill_chunk = prefill_chunk;
-            Ok(e)
-        },
-        StoreOptions { max_sessions: 16, max_bytes: 1 << 30, checkpoints: false },
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "synth".into(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
-    Server { addr, _dir: dir }
+    let (dir, tok) = support::synth_tokenizer(VOCAB, 3000);
+    let make = move || {
+        let mut e = FakeEngine::new(VOCAB, CONTEXT, vec![], 1, |_: &[u32]| vec![]);
+        e.step_delay = step_delay;
+        e.prefill_delay_per_token = prefill_delay_per_token;
+        e.prefill_chunk = prefill_chunk;
+        Ok(e)
+    };
+    let state = support::app_state(make, StoreOptions { max_sessions: 16, max_bytes: 1 << 30, checkpoints: false }, tok, "synth");
+    Server { addr: support::serve(state).await, _dir: dir }
 }
 
 fn url(s: &Server) -> String {
@@ -60,13 +46,7 @@ fn url(s: &Server) -> String {
 }
 
 async fn metric(s: &Server, name: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", s.addr)).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .map(|v| v.parse().unwrap())
-        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+    support::metric(&reqwest::get(format!("http://{}/metrics", s.addr)).await.unwrap().text().await.unwrap(), name)
 }
 
 /// Waits (up to `within`) until `name` reaches `at_least`; the time it took.

@@ -8,15 +8,8 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Arc;
 
-use k3_protocol::synth::{write_model, Preset, SynthOptions};
-use mac_decoder::decode::EngineOptions;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
-use mac_decoder::tokenizer::Tokenizer;
+mod support;
 
 /// Where scripts/setup.sh installed the client libraries.
 fn py_clients() -> PathBuf {
@@ -38,19 +31,8 @@ fn metric(text: &str, name: &str) -> f64 {
 /// A server on a fresh random-weight Tiny model: its base URL and the model directory (kept
 /// alive by the returned guard).
 async fn serve_tiny() -> (String, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let mut opts = SynthOptions::new(Preset::Tiny);
-    opts.progress = false;
-    write_model(dir.path(), &opts).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
-    let model = dir.path().to_path_buf();
-    let engine =
-        EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), metrics.clone()).unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    let dir = support::tiny_model(None);
+    let base = format!("http://{}", support::serve(support::mlx_state(dir.path())).await);
     (base, dir)
 }
 

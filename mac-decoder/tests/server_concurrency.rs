@@ -8,14 +8,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use mac_decoder::decode::EngineOptions;
-use mac_decoder::server::metrics::Metrics;
 use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
+use mac_decoder::server::worker::StoreOptions;
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+
+mod support;
 
 const TOKENS: usize = 64;
 
@@ -72,24 +71,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
     one_blas_thread();
-    let dir = tempfile::tempdir().unwrap();
-    let mut opts = SynthOptions::new(Preset::Tiny);
-    opts.progress = false;
-    write_model(dir.path(), &opts).unwrap();
+    let dir = support::tiny_model(None);
     let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
     let model = dir.path().to_path_buf();
     let max_batch = std::env::var("K3_MAX_BATCH").ok().and_then(|v| v.parse().ok()).unwrap_or(8);
-    let engine = EngineHandle::spawn(
+    let state = support::app_state(
         move || Ok(MlxEngine::load(&model, EngineOptions::default(), 0)?.with_max_batch(max_batch)),
         StoreOptions { max_sessions: 32, max_bytes: 1 << 30, checkpoints: false },
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+        tok,
+        "tiny",
+    );
+    let addr = support::serve(state).await;
     let url = format!("http://{addr}/v1/completions");
     let client = reqwest::Client::new();
     run(&client, &url, 2, 99).await; // warm-up

@@ -1,26 +1,19 @@
 //! End-to-end tests of the OpenAI-compatible server with a real HTTP client (reqwest) against a
 //! running server on the synthetic model's tokenizer, with the deterministic fake engine
-//! (`server::engine::FakeEngine`): chat (streamed and not), prefix reuse across turns, a tool
+//! (`tests/support/fake_engine.rs`): chat (streamed and not), prefix reuse across turns, a tool
 //! call round trip, concurrent clients, completions, and every kind of bad request.
 
 use std::sync::Arc;
 
-use mac_decoder::server::engine::FakeEngine;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
+use mac_decoder::server::worker::StoreOptions;
 use mac_decoder::tokenizer::{Segment, Tokenizer};
 use serde_json::{json, Value};
+use support::{metric, FakeEngine};
+
+mod support;
 
 const VOCAB: usize = 1024;
 const CONTEXT: usize = 3000;
-
-/// The synthetic model's tokenizer (release format, compact special block for vocab 1024).
-fn synth_tokenizer(dir: &std::path::Path) -> Tokenizer {
-    k3_protocol::synth::tokenizer::write_tokenizer(dir, VOCAB, CONTEXT).unwrap();
-    std::fs::write(dir.join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
-    Tokenizer::from_dir(dir).unwrap()
-}
 
 fn m(s: &str) -> Segment {
     Segment::markup(s)
@@ -65,44 +58,27 @@ struct Server {
 }
 
 async fn start(api_key: Option<&str>) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let tok = Arc::new(synth_tokenizer(dir.path()));
+    // The synthetic model's tokenizer (release format, compact special block for vocab 1024).
+    let (dir, tok) = support::synth_tokenizer(VOCAB, CONTEXT);
     let marker = tok
         .encode_segments(&[m("<|open|>"), t("message"), t(" role"), t("=\""), t("assistant"), t("\""), m("<|sep|>"), m("<|open|>"), t("think"), m("<|sep|>")])
         .unwrap();
     let stop = tok.special_id("<|end_of_msg|>").unwrap();
-    let metrics = Arc::new(Metrics::new());
     let tok2 = tok.clone();
-    let engine = EngineHandle::spawn(
-        move || {
-            let mut e = FakeEngine::new(VOCAB, CONTEXT, marker, stop, move |p: &[u32]| reply(&tok2, p));
-            e.step_delay = std::time::Duration::from_micros(200);
-            Ok(e)
-        },
-        StoreOptions { max_sessions: 8, max_bytes: 1 << 30, checkpoints: true },
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok.clone(), metrics.clone(), "k3-synth".into(), api_key.map(str::to_string)));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
-    Server { base: format!("http://{addr}"), tok, _dir: dir }
+    let make = move || {
+        let mut e = FakeEngine::new(VOCAB, CONTEXT, marker, stop, move |p: &[u32]| reply(&tok2, p));
+        e.step_delay = std::time::Duration::from_micros(200);
+        Ok(e)
+    };
+    let mut state = support::app_state(make, StoreOptions { max_sessions: 8, max_bytes: 1 << 30, checkpoints: true }, tok.clone(), "k3-synth");
+    state.api_key = api_key.map(str::to_string);
+    Server { base: format!("http://{}", support::serve(state).await), tok, _dir: dir }
 }
 
 async fn post(s: &Server, path: &str, body: Value) -> (u16, Value) {
     let r = reqwest::Client::new().post(format!("{}{path}", s.base)).json(&body).send().await.unwrap();
     let status = r.status().as_u16();
     (status, r.json().await.unwrap())
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .map(|v| v.parse().unwrap())
-        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
 }
 
 async fn metrics_text(s: &Server) -> String {

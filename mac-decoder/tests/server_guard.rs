@@ -6,13 +6,13 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mac_decoder::server::engine::FakeEngine;
 use mac_decoder::server::guard::GuardOptions;
-use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::router;
 use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
-use mac_decoder::tokenizer::Tokenizer;
 use serde_json::json;
+use support::FakeEngine;
+
+mod support;
 
 const VOCAB: usize = 1024;
 
@@ -23,34 +23,23 @@ struct Server {
 }
 
 async fn start(api_key: Option<&str>, guard: GuardOptions, step_delay: Duration) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
-    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    let (dir, tok) = support::synth_tokenizer(VOCAB, 3000);
     let stop = tok.special_id("<|end_of_msg|>").unwrap();
-    let metrics = Arc::new(Metrics::new());
-    let engine = EngineHandle::spawn(
-        move || {
-            // Replies with 20 ordinary tokens, then stops.
-            let mut e = FakeEngine::new(VOCAB, 3000, vec![], stop, move |_: &[u32]| {
-                let mut v: Vec<u32> = (300..320).collect();
-                v.push(stop);
-                v
-            });
-            e.step_delay = step_delay;
-            Ok(e)
-        },
-        StoreOptions { max_sessions: 4, max_bytes: 1 << 30, checkpoints: true },
-        metrics.clone(),
-    )
-    .unwrap();
-    let handle = engine.clone();
-    let mut state = AppState::new(engine, tok, metrics, "synth".into(), api_key.map(str::to_string));
+    let make = move || {
+        // Replies with 20 ordinary tokens, then stops.
+        let mut e = FakeEngine::new(VOCAB, 3000, vec![], stop, move |_: &[u32]| {
+            let mut v: Vec<u32> = (300..320).collect();
+            v.push(stop);
+            v
+        });
+        e.step_delay = step_delay;
+        Ok(e)
+    };
+    let mut state = support::app_state(make, StoreOptions { max_sessions: 4, max_bytes: 1 << 30, checkpoints: true }, tok, "synth");
+    state.api_key = api_key.map(str::to_string);
     state.guard = guard;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(Arc::new(state))).await.unwrap() });
-    Server { addr, engine: handle, _dir: dir }
+    let engine = state.engine.clone();
+    Server { addr: support::serve(state).await, engine, _dir: dir }
 }
 
 fn completion() -> String {
@@ -231,18 +220,9 @@ async fn requests_past_the_tokens_in_flight_limit_get_429_with_retry_after() {
 /// headers (or an idle keep-alive one) stayed open indefinitely.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_finishes_its_headers_is_disconnected() {
-    let dir = tempfile::tempdir().unwrap();
-    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), VOCAB, 3000).unwrap();
-    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": VOCAB}}).to_string()).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
-    let engine = EngineHandle::spawn(
-        move || Ok(FakeEngine::new(VOCAB, 3000, vec![], 1, |_: &[u32]| vec![1])),
-        StoreOptions { max_sessions: 1, max_bytes: 1 << 20, checkpoints: false },
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "synth".into(), None));
+    let (_dir, tok) = support::synth_tokenizer(VOCAB, 3000);
+    let make = move || Ok(FakeEngine::new(VOCAB, 3000, vec![], 1, |_: &[u32]| vec![1]));
+    let state = Arc::new(support::app_state(make, StoreOptions { max_sessions: 1, max_bytes: 1 << 20, checkpoints: false }, tok, "synth"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

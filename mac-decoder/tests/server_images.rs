@@ -7,22 +7,20 @@
 
 use std::sync::Arc;
 
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
+use mac_decoder::server::worker::StoreOptions;
+use mac_decoder::server::AppState;
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use support::FakeEngine;
+
+mod support;
 
 struct Server {
     base: String,
 }
 
 async fn serve(state: AppState) -> Server {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let state = Arc::new(state);
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
-    Server { base: format!("http://{addr}") }
+    Server { base: format!("http://{}", support::serve(state).await) }
 }
 
 async fn post(s: &Server, body: &Value) -> (u16, Value) {
@@ -81,15 +79,8 @@ async fn bad_requests(s: &Server, png: &[u8], vision: bool) {
 /// A model without a vision tower refuses images clearly (fake engine: no MLX needed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn images_without_a_vision_tower_are_refused() {
-    use mac_decoder::server::engine::FakeEngine;
-    let dir = tempfile::tempdir().unwrap();
-    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), 1024, 3000).unwrap();
-    std::fs::write(dir.path().join("config.json"), json!({"text_config": {"vocab_size": 1024}}).to_string()).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
-    let engine =
-        EngineHandle::spawn(move || Ok(FakeEngine::new(1024, 3000, vec![1], 2, |_| vec![])), StoreOptions::default(), metrics.clone()).unwrap();
-    let s = serve(AppState::new(engine, tok, metrics, "fake".into(), None)).await;
+    let (_dir, tok) = support::synth_tokenizer(1024, 3000);
+    let s = serve(support::app_state(move || Ok(FakeEngine::new(1024, 3000, vec![1], 2, |_| vec![])), StoreOptions::default(), tok, "fake")).await;
     let png = image_bytes(30, 20, 1, image::ImageFormat::Png);
     let (status, v) = post(&s, &chat(json!([image_part(&data_url("image/png", &png))]), 4)).await;
     assert_eq!(status, 400, "{v}");
@@ -100,13 +91,11 @@ async fn images_without_a_vision_tower_are_refused() {
 #[cfg(feature = "mlx")]
 mod mlx {
     use super::*;
-    use k3_protocol::synth::{write_model, Preset, SynthOptions};
     use k3_protocol::Checkpoint;
     use mac_decoder::chat::render::{image_prompt, render};
     use mac_decoder::chat::Json;
-    use mac_decoder::decode::{Engine, EngineOptions, GenerateParams};
+    use mac_decoder::decode::{Engine, GenerateParams};
     use mac_decoder::server::api;
-    use mac_decoder::server::mlx_engine::MlxEngine;
     use mac_decoder::tokenizer::names;
     use mac_decoder::vision::{self, ImageFeatures, MlxVisionEncoder, NormEps};
 
@@ -115,8 +104,7 @@ mod mlx {
     }
 
     async fn metric(s: &Server, name: &str) -> f64 {
-        let text = reqwest::get(format!("{}/metrics", s.base)).await.unwrap().text().await.unwrap();
-        text.lines().find(|l| l.split_whitespace().next() == Some(name)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap()
+        support::metric(&reqwest::get(format!("{}/metrics", s.base)).await.unwrap().text().await.unwrap(), name)
     }
 
     /// What the server should have sent to the engine, built from the parts independently:
@@ -143,17 +131,9 @@ mod mlx {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn image_requests_equal_a_direct_prefill_with_the_embeddings() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut o = SynthOptions::new(Preset::Tiny);
-        o.seed = 21;
-        o.progress = false;
-        write_model(dir.path(), &o).unwrap();
+        let dir = support::tiny_model(Some(21));
         let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-        let metrics = Arc::new(Metrics::new());
-        let model = dir.path().to_path_buf();
-        let engine =
-            EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), metrics.clone()).unwrap();
-        let s = serve(AppState::new(engine, tok.clone(), metrics, "tiny".into(), None)).await;
+        let s = serve(support::mlx_state(dir.path())).await;
 
         // The references: the same checkpoint, engine and MLX vision encoder, used directly.
         let ck = Checkpoint::open(dir.path()).unwrap();

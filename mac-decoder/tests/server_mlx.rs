@@ -4,16 +4,9 @@
 //! held state (only the new tokens are prefilled; a checkpoint copy continues identically).
 #![cfg(feature = "mlx")]
 
-use std::sync::Arc;
-
-use k3_protocol::synth::{write_model, Preset, SynthOptions};
-use mac_decoder::decode::EngineOptions;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
-use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+
+mod support;
 
 struct Server {
     base: String,
@@ -21,23 +14,8 @@ struct Server {
 }
 
 async fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut opts = SynthOptions::new(Preset::Tiny);
-    opts.progress = false;
-    write_model(dir.path(), &opts).unwrap();
-    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
-    let metrics = Arc::new(Metrics::new());
-    let model = dir.path().to_path_buf();
-    let engine = EngineHandle::spawn(
-        move || MlxEngine::load(&model, EngineOptions::default(), 0),
-        StoreOptions::default(),
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    let dir = support::tiny_model(None);
+    let addr = support::serve(support::mlx_state(dir.path())).await;
     Server { base: format!("http://{addr}"), dir }
 }
 

@@ -24,13 +24,13 @@ use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
 use k3_protocol::{Checkpoint, Fingerprint};
 use mac_decoder::decode::{Engine, EngineOptions, GenerateParams};
 use mac_decoder::remote::RemoteOptions;
-use mac_decoder::server::metrics::Metrics;
 use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
-use mac_decoder::server::{router, AppState};
+use mac_decoder::server::worker::StoreOptions;
 use mac_decoder::tokenizer::{names, Tokenizer};
 use mac_decoder::vision::{self, MlxVisionEncoder, NormEps};
 use serde_json::{json, Value};
+
+mod support;
 
 /// Prompts with at least this many new tokens go to the node.
 const MIN_TOKENS: usize = 32;
@@ -105,18 +105,9 @@ struct Server {
 /// identity.
 async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> Server {
     let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
-    let metrics = Arc::new(Metrics::new());
     let dir = model.to_path_buf();
-    let engine = EngineHandle::spawn(
-        move || MlxEngine::load(&dir, EngineOptions::default(), 0)?.with_remote_config(remote_options(node), client),
-        StoreOptions::default(),
-        metrics.clone(),
-    )
-    .unwrap();
-    let state = Arc::new(AppState::new(engine, tok, metrics, "tiny".into(), None));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    let make = move || MlxEngine::load(&dir, EngineOptions::default(), 0)?.with_remote_config(remote_options(node), client);
+    let addr = support::serve(support::app_state(make, StoreOptions::default(), tok, "tiny")).await;
     Server { base: format!("http://{addr}") }
 }
 

@@ -1,0 +1,86 @@
+//! What the server tests share (each includes it with `mod support;`): the deterministic fake
+//! engine, and the set-up every one of them repeats — a tokenizer or a synthetic model in a
+//! temporary directory, an engine thread with its metrics, the HTTP server on a free loopback
+//! port.
+// Each test binary uses its own part of this module.
+#![allow(dead_code, unused_imports)]
+
+pub mod fake_engine;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+pub use fake_engine::FakeEngine;
+use mac_decoder::server::engine::GenerationEngine;
+use mac_decoder::server::metrics::Metrics;
+use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::server::{router, AppState};
+use mac_decoder::tokenizer::Tokenizer;
+
+/// The synthetic model's tokenizer for `vocab` ids (release format; `max_len` its model length)
+/// and a `config.json` naming the vocabulary, in a fresh temporary directory (kept alive by the
+/// returned guard).
+pub fn synth_tokenizer(vocab: usize, max_len: usize) -> (tempfile::TempDir, Arc<Tokenizer>) {
+    let dir = tempfile::tempdir().unwrap();
+    k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), vocab, max_len).unwrap();
+    std::fs::write(dir.path().join("config.json"), serde_json::json!({"text_config": {"vocab_size": vocab}}).to_string()).unwrap();
+    let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
+    (dir, tok)
+}
+
+/// A random-weight Tiny model (release layout, its own tokenizer) with `seed` (the preset's
+/// default when `None`), in a fresh temporary directory.
+pub fn tiny_model(seed: Option<u64>) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = k3_protocol::synth::SynthOptions::new(k3_protocol::synth::Preset::Tiny);
+    opts.progress = false;
+    if let Some(seed) = seed {
+        opts.seed = seed;
+    }
+    k3_protocol::synth::write_model(dir.path(), &opts).unwrap();
+    dir
+}
+
+/// The server state over an engine thread running the engine `make` builds (fresh metrics, no
+/// API key; tests set `api_key` / `guard` on the result before serving it).
+pub fn app_state<E, F>(make: F, store: StoreOptions, tok: Arc<Tokenizer>, model_id: &str) -> AppState
+where
+    E: GenerationEngine,
+    F: FnOnce() -> anyhow::Result<E> + Send + 'static,
+{
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::spawn(make, store, metrics.clone()).unwrap();
+    AppState::new(engine, tok, metrics, model_id.into(), None)
+}
+
+/// The server state over the MLX engine on the model in `model` (its own tokenizer, default
+/// engine options and store, model id `tiny`).
+#[cfg(feature = "mlx")]
+pub fn mlx_state(model: &std::path::Path) -> AppState {
+    use mac_decoder::decode::EngineOptions;
+    use mac_decoder::server::mlx_engine::MlxEngine;
+    let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
+    let model = model.to_path_buf();
+    app_state(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), tok, "tiny")
+}
+
+/// Serves `state` (every route of [`router`]) on a free loopback port in the background; its
+/// address.
+pub async fn serve(state: AppState) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let state = Arc::new(state);
+    tokio::spawn(async move { axum::serve(listener, router(state)).await.unwrap() });
+    addr
+}
+
+/// The value of the metric `name` (the whole series name, labels included) in a Prometheus text;
+/// panics naming it when it is missing.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|v| v.parse().unwrap())
+        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+}
