@@ -91,15 +91,9 @@ pub fn parse_prompt(line: &str, lineno: usize, path: &Path, tok: &mut PromptToke
     let v: serde_json::Value =
         serde_json::from_str(line).with_context(|| format!("{} line {lineno}: not JSON", path.display()))?;
     let ids = match v {
-        serde_json::Value::Array(a) => a
-            .iter()
-            .enumerate()
-            .map(|(i, x)| {
-                x.as_u64()
-                    .and_then(|x| u32::try_from(x).ok())
-                    .with_context(|| format!("{} line {lineno}: entry {i} ({x}) is not a token id", path.display()))
-            })
-            .collect::<anyhow::Result<Vec<u32>>>()?,
+        serde_json::Value::Array(a) => {
+            k3_protocol::files::token_ids(&a).with_context(|| format!("{} line {lineno}", path.display()))?
+        }
         serde_json::Value::Object(o) if o.contains_key("text") => {
             let Some(text) = o.get("text").and_then(|t| t.as_str()) else {
                 bail!("{} line {lineno}: \"text\" must be a string", path.display());

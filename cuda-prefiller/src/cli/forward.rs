@@ -3,7 +3,7 @@
 //! `logits [T, vocab]`, `kda.{l}.recurrent|conv_q|conv_k|conv_v`, `mla.{l}.latent`, plus the
 //! `hidden.*` vectors of the last position with `--dump-hidden`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -109,21 +109,6 @@ impl StreamArgs {
     }
 }
 
-/// Reads a JSON array of token ids; every entry must be an integer in u32 range.
-pub fn read_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read input ids {}", path.display()))?;
-    let vals: Vec<serde_json::Value> =
-        serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?;
-    vals.iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .with_context(|| format!("{}: entry {i} ({v}) is not a token id", path.display()))
-        })
-        .collect()
-}
-
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.backend.open()? {
         Opened::Cpu(b) => run_with(b, &args),
@@ -151,7 +136,7 @@ fn hidden_tensors(t: &HiddenTrace, h: usize) -> Vec<(String, Vec<usize>, Vec<f32
 
 /// The whole command over a chosen backend.
 pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::Result<()> {
-    let ids = read_ids(&args.input_ids)?;
+    let ids = k3_protocol::files::read_token_ids(&args.input_ids)?;
     if ids.is_empty() {
         bail!("{}: no token ids", args.input_ids.display());
     }

@@ -97,20 +97,6 @@ fn peak_rss_bytes() -> u64 {
     if cfg!(target_os = "macos") { v } else { v * 1024 } // bytes on macOS, KiB elsewhere
 }
 
-/// Reads a JSON array of token ids.
-pub fn read_ids(path: &std::path::Path) -> anyhow::Result<Vec<u32>> {
-    use anyhow::Context;
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: Vec<i64> = serde_json::from_str(&text)
-        .with_context(|| format!("{}: expected a JSON array of integer token ids", path.display()))?;
-    v.iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            u32::try_from(x).map_err(|_| anyhow::anyhow!("{}: token {x} at position {i} is not a valid id", path.display()))
-        })
-        .collect()
-}
-
 #[cfg(not(feature = "mlx"))]
 pub fn run(_args: Args) -> anyhow::Result<()> {
     anyhow::bail!("k3-decode was built without the `mlx` feature; rebuild with default features")
@@ -121,6 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     use anyhow::{bail, Context};
 
     use crate::decode::{ComputeDtype, Engine, EngineOptions};
+    use k3_protocol::files::read_token_ids;
 
     // A timing table needs the per-turn path (it times local turns too: the demo compares both).
     let conversation = args.node.prefill_node.is_some() || !args.next_turn.is_empty() || args.timing_json.is_some();
@@ -130,9 +117,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bail!("--state cannot be combined with --prefill-node, --next-turn or --timing-json (a conversation starts from its prompt ids)");
         }
         let first = args.input_ids.as_deref().context("--prefill-node, --next-turn and --timing-json need --input-ids (the first turn's prompt)")?;
-        let mut turns = vec![read_ids(first)?];
+        let mut turns = vec![read_token_ids(first)?];
         for p in &args.next_turn {
-            turns.push(read_ids(p)?);
+            turns.push(read_token_ids(p)?);
         }
         if let Some((i, _)) = turns.iter().enumerate().find(|(_, t)| t.is_empty()) {
             bail!("turn {} has no token ids", i + 1);
@@ -142,7 +129,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if args.input_ids.is_none() && args.state.is_none() {
             bail!("give --input-ids (local prefill), --state (hand-off state), or both");
         }
-        args.input_ids.as_deref().map(read_ids).transpose()?.into_iter().collect()
+        args.input_ids.as_deref().map(read_token_ids).transpose()?.into_iter().collect()
     };
     let engine = Engine::load_with_dtype(
         &args.model,

@@ -60,7 +60,7 @@ pub fn run_render(args: RenderArgs) -> anyhow::Result<()> {
 
 pub fn run_parse(args: ParseArgs) -> anyhow::Result<()> {
     let (tok, req) = load(&args.model, &args.request)?;
-    let ids = super::generate::read_ids(&args.ids)?;
+    let ids = k3_protocol::files::read_token_ids(&args.ids)?;
     let mut parser = OutputParser::new(tok, req.render.thinking, "call").map_err(|e| anyhow::anyhow!(e))?;
     if !req.tool_calls_allowed() {
         parser = parser.without_tool_calls();
