@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use k3_protocol::transport::{default_config_dir, CertFingerprint, NodeConfig, NodeIdentity, NodeRole, PeerAuth, PinnedPeers};
+use k3_protocol::transport::{NodeConfig, NodeIdentity, NodeRole, Pairing, PeerAuth};
 use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
@@ -124,23 +124,17 @@ impl Args {
     }
 }
 
-/// The `--decoder-fingerprint` values, parsed.
-fn explicit_pins(args: &Args) -> anyhow::Result<Vec<CertFingerprint>> {
-    args.decoder_fingerprint
-        .iter()
-        .map(|fp| CertFingerprint::parse(fp).with_context(|| format!("--decoder-fingerprint {fp}: expected sha256:<64 hex digits>")))
-        .collect()
-}
-
-fn config_dir(args: &Args) -> PathBuf {
-    args.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Prefill))
+/// The node's pairing set-up: its config dir and the `--decoder-fingerprint` values, which
+/// REPLACE the saved pins for this run ([`Pairing`]).
+fn pairing(args: &Args) -> anyhow::Result<Pairing> {
+    Ok(Pairing::new(NodeRole::Prefill, args.config_dir.clone(), &args.decoder_fingerprint, args.insecure_dev)?)
 }
 
 /// The node's identity and who it trusts: the explicit `--decoder-fingerprint` values when
 /// given (replacing the saved pins for this run), else the saved pins.
 fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
-    let dir = config_dir(args);
-    let identity = NodeIdentity::load_or_create(&dir)?;
+    let pairing = pairing(args)?;
+    let identity = pairing.identity()?;
     if args.insecure_dev {
         if !args.listen.ip().is_loopback() {
             bail!("--insecure-dev works on loopback only; {} is not a loopback address", args.listen);
@@ -150,40 +144,11 @@ fn peer_auth(args: &Args) -> anyhow::Result<(NodeIdentity, PeerAuth)> {
         }
         return Ok((identity, PeerAuth::InsecureDev));
     }
-    let explicit = explicit_pins(args)?;
     eprintln!("{}", identity.pairing_text(NodeRole::Prefill));
-    if !explicit.is_empty() {
-        for f in &explicit {
-            tracing::info!(fingerprint = %f, "decoder pinned for this run (saved once it connects)");
-        }
-        return Ok((identity, PeerAuth::Pinned(explicit)));
+    for f in &pairing.explicit {
+        tracing::info!(fingerprint = %f, "decoder pinned for this run (saved once it connects)");
     }
-    let pinned = PinnedPeers::load(&dir)?;
-    if pinned.peers.is_empty() {
-        bail!(
-            "no decoder is paired with this node: pass --decoder-fingerprint sha256:... (the decoder's \
-             certificate fingerprint; `k3-decode` prints it when it connects) or use --insecure-dev on loopback"
-        );
-    }
-    Ok((identity, PeerAuth::Pinned(pinned.fingerprints())))
-}
-
-/// After a decoder proved `cert` in a handshake: when it is one of the explicit
-/// `--decoder-fingerprint` values, the saved `decoder` pins become the explicit values proved so
-/// far (earlier decoders are no longer trusted by later starts).
-fn save_verified_pin(dir: &std::path::Path, explicit: &[CertFingerprint], cert: CertFingerprint) -> anyhow::Result<()> {
-    if !explicit.contains(&cert) {
-        return Ok(());
-    }
-    let mut pinned = PinnedPeers::load(dir)?;
-    let saved = |f: &CertFingerprint, p: &PinnedPeers| p.peers.iter().any(|(g, n)| g == f && n == "decoder");
-    if saved(&cert, &pinned) && pinned.peers.iter().filter(|(_, n)| n == "decoder").all(|(g, _)| explicit.contains(g)) {
-        return Ok(());
-    }
-    pinned.peers.retain(|(g, n)| n != "decoder" || explicit.contains(g));
-    pinned.add_and_save(dir, cert, "decoder")?;
-    tracing::info!(fingerprint = %cert, dir = %dir.display(), "decoder pin saved");
-    Ok(())
+    Ok((identity, pairing.peer_auth()?))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -222,13 +187,12 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     if stream {
         opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
     }
-    let explicit = explicit_pins(args)?;
-    if !explicit.is_empty() && !args.insecure_dev {
-        let dir = config_dir(args);
-        opts.on_verified = Some(crate::server::OnVerified(Arc::new(move |cert| {
-            if let Err(e) = save_verified_pin(&dir, &explicit, cert) {
-                tracing::warn!("could not save the decoder pin: {e:#}");
-            }
+    let pairing = pairing(args)?;
+    if !pairing.explicit.is_empty() && !pairing.insecure_dev {
+        opts.on_verified = Some(crate::server::OnVerified(Arc::new(move |cert| match pairing.save_verified(cert) {
+            Ok(true) => tracing::info!(fingerprint = %cert, dir = %pairing.dir.display(), "decoder pin saved"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!("could not save the decoder pin: {e:#}"),
         })));
     }
     tracing::info!(
@@ -253,6 +217,7 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
 mod tests {
     use super::*;
     use crate::cli::parse_args;
+    use k3_protocol::transport::{CertFingerprint, PinnedPeers};
 
     /// Issue 14: `serve` runs BF16 on CUDA unless told otherwise; `--precision f32` (check mode)
     /// stays available, and anything else is refused when the arguments are parsed.
@@ -312,9 +277,10 @@ mod tests {
         assert_eq!(file(), before, "an unproved fingerprint was saved");
         // A decoder that is not an explicit value changes nothing; the explicit one, once proved,
         // replaces the old pin.
-        save_verified_pin(dir.path(), &[new], other).unwrap();
+        let pairing = pairing(&args(&[new])).unwrap();
+        assert!(!pairing.save_verified(other).unwrap());
         assert_eq!(file(), before);
-        save_verified_pin(dir.path(), &[new], new).unwrap();
+        assert!(pairing.save_verified(new).unwrap());
         assert_eq!(PinnedPeers::load(dir.path()).unwrap().peers, vec![(new, "decoder".to_string())]);
         let PeerAuth::Pinned(p) = peer_auth(&args(&[])).unwrap().1 else { panic!("pinned expected") };
         assert_eq!(p, vec![new]);

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use k3_protocol::config::TextConfig;
 use k3_protocol::transport::{
-    default_config_dir, CertFingerprint, NodeConfig, NodeIdentity, NodeRole, PeerAuth, PinnedPeers, PrefillClient, TransferError,
-    TransferEvent, Tuning,
+    NodeConfig, NodeRole, Pairing, PrefillClient, TransferError, TransferEvent, Tuning,
 };
 use k3_protocol::wire::{ErrorCode, ImageEmbeddings, PrefillOptions, PrefillRequest, StateLayout};
 
@@ -131,62 +130,18 @@ impl From<anyhow::Error> for Failure {
     }
 }
 
-/// The decoder's config dir (certificate and pinned peers).
-fn config_dir(opts: &RemoteOptions) -> PathBuf {
-    opts.config_dir.clone().unwrap_or_else(|| default_config_dir(NodeRole::Decoder))
-}
-
-/// The `--prefill-fingerprint` values, parsed.
-fn explicit_pins(opts: &RemoteOptions) -> Result<Vec<CertFingerprint>> {
-    opts.prefill_fingerprints
-        .iter()
-        .map(|fp| CertFingerprint::parse(fp).ok_or_else(|| anyhow!("--prefill-fingerprint {fp}: expected sha256:<64 hex digits>")))
-        .collect()
-}
-
-/// Whom the decoder trusts. An explicit `--prefill-fingerprint` REPLACES the saved pins for this
-/// run (a node with another certificate is refused, even one paired before), and is written to
-/// `pinned-peers.txt` only once a node has proved it holds that certificate
-/// ([`save_verified_pins`]). Without one, the saved pins are used.
-pub(crate) fn peer_auth(opts: &RemoteOptions, dir: &std::path::Path) -> Result<PeerAuth> {
-    if opts.insecure_dev {
-        return Ok(PeerAuth::InsecureDev);
-    }
-    let explicit = explicit_pins(opts)?;
-    if !explicit.is_empty() {
-        return Ok(PeerAuth::Pinned(explicit));
-    }
-    let pinned = PinnedPeers::load(dir)?;
-    if pinned.peers.is_empty() {
-        return Err(anyhow!(
-            "no prefill node is paired with this decoder: pass --prefill-fingerprint sha256:... (printed by \
-             `k3-prefill serve`) and give the node this decoder's certificate fingerprint (--decoder-fingerprint), or \
-             use --insecure-dev on loopback"
-        ));
-    }
-    Ok(PeerAuth::Pinned(pinned.fingerprints()))
-}
-
-/// After a handshake that verified an explicitly pinned certificate: it becomes the saved
-/// prefill pin (replacing earlier `prefill` entries, so a stale node is no longer trusted).
-pub(crate) fn save_verified_pins(opts: &RemoteOptions, dir: &std::path::Path, node_cert: CertFingerprint) -> Result<()> {
-    if opts.insecure_dev || !explicit_pins(opts)?.contains(&node_cert) {
-        return Ok(());
-    }
-    let mut pinned = PinnedPeers::load(dir)?;
-    if pinned.peers == [(node_cert, "prefill".to_string())] {
-        return Ok(());
-    }
-    pinned.peers.retain(|(_, name)| name != "prefill");
-    pinned.add_and_save(dir, node_cert, "prefill")?;
-    Ok(())
+/// The decoder's pairing set-up: its config dir and the `--prefill-fingerprint` values, which
+/// REPLACE the saved pins for this run and are saved once a node proved it holds one
+/// ([`Pairing`]).
+pub(crate) fn pairing(opts: &RemoteOptions) -> Result<Pairing> {
+    Ok(Pairing::new(NodeRole::Decoder, opts.config_dir.clone(), &opts.prefill_fingerprints, opts.insecure_dev)?)
 }
 
 /// The decoder's identity and who it trusts, from its config dir and the options.
 fn node_config(engine: &Engine, opts: &RemoteOptions) -> Result<NodeConfig> {
-    let dir = config_dir(opts);
-    let identity = NodeIdentity::load_or_create(&dir)?;
-    let peers = peer_auth(opts, &dir).map_err(|e| anyhow!("{e:#}; this decoder's certificate is {}", identity.fingerprint()))?;
+    let pairing = pairing(opts)?;
+    let identity = pairing.identity()?;
+    let peers = pairing.peer_auth().map_err(|e| anyhow!("{e:#}; this decoder's certificate is {}", identity.fingerprint()))?;
     tracing::info!(certificate = %identity.fingerprint(), "decoder identity (give it to the prefill node with --decoder-fingerprint)");
     let mut cfg = NodeConfig::new(identity, peers, *engine.fingerprint(), "mlx").with_state_identity(*engine.state_identity());
     cfg.tuning = opts.tuning.clone();
@@ -473,7 +428,7 @@ impl RemotePrefiller {
             }
         };
         if let Some(cert) = c.server().certificate {
-            if let Err(e) = save_verified_pins(opts, &config_dir(opts), cert) {
+            if let Err(e) = pairing(opts).and_then(|p| Ok(p.save_verified(cert)?)) {
                 tracing::warn!("could not save the verified prefill pin: {e:#}");
             }
         }
@@ -701,6 +656,7 @@ pub fn run_turn(
 #[cfg(test)]
 mod pin_tests {
     use super::*;
+    use k3_protocol::transport::{CertFingerprint, PeerAuth, PinnedPeers};
 
     fn fp(b: u8) -> CertFingerprint {
         CertFingerprint::parse(&format!("sha256:{}", hex_byte(b).repeat(32))).unwrap()
@@ -720,20 +676,20 @@ mod pin_tests {
         let mut opts = RemoteOptions::new("127.0.0.1:1");
         opts.config_dir = Some(dir.path().to_path_buf());
         // Saved pins alone: the old node is trusted.
-        assert_eq!(peer_auth(&opts, dir.path()).unwrap(), PeerAuth::Pinned(vec![old]));
+        assert_eq!(pairing(&opts).unwrap().peer_auth().unwrap(), PeerAuth::Pinned(vec![old]));
         // An explicit pin replaces them for this run...
         opts.prefill_fingerprints = vec![new.to_string()];
-        assert_eq!(peer_auth(&opts, dir.path()).unwrap(), PeerAuth::Pinned(vec![new]));
+        assert_eq!(pairing(&opts).unwrap().peer_auth().unwrap(), PeerAuth::Pinned(vec![new]));
         // ...and is not written before a node proved it holds that certificate.
         assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![old]);
         // A node presenting another certificate never changes the file.
-        save_verified_pins(&opts, dir.path(), old).unwrap();
+        assert!(!pairing(&opts).unwrap().save_verified(old).unwrap());
         assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![old]);
         // The verified one replaces the old prefill pin.
-        save_verified_pins(&opts, dir.path(), new).unwrap();
+        assert!(pairing(&opts).unwrap().save_verified(new).unwrap());
         assert_eq!(PinnedPeers::load(dir.path()).unwrap().fingerprints(), vec![new]);
         // A malformed value is an error, not a pin.
         opts.prefill_fingerprints = vec!["sha256:000".into()];
-        assert!(peer_auth(&opts, dir.path()).is_err());
+        assert!(pairing(&opts).is_err());
     }
 }

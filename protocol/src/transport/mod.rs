@@ -4,7 +4,7 @@
 //! - [`PrefillServer`] / [`PrefillConnection`] / [`IncomingRequest`] / [`LayerSender`]: the
 //!   prefill node's side.
 //! - [`PrefillClient`] / [`Transfer`]: the decoder's side.
-//! - [`NodeIdentity`], [`PinnedPeers`], [`PeerAuth`]: certificates and pairing.
+//! - [`NodeIdentity`], [`PinnedPeers`], [`PeerAuth`], [`Pairing`]: certificates and pairing.
 //!
 //! Streams of one connection: the client opens a bidirectional *handshake* stream
 //! (Hello/HelloAck), then one bidirectional *request* stream per prefill (PrefillRequest →
@@ -20,6 +20,7 @@ mod framed;
 #[doc(hidden)]
 pub mod hooks;
 pub mod identity;
+pub mod pairing;
 pub mod server;
 pub mod tls;
 
@@ -30,6 +31,7 @@ pub use config::{NodeConfig, Tuning};
 pub use error::TransferError;
 pub use cert_fingerprint::CertFingerprint;
 pub use identity::{default_config_dir, NodeIdentity, NodeRole, PinnedPeers};
+pub use pairing::{Pairing, PairingError};
 pub use server::{AdmissionCounts, IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
 pub use tls::PeerAuth;
 
