@@ -36,6 +36,17 @@ pub mod limits {
     pub const JSON_FILE_BYTES: u64 = 256 << 20;
 }
 
+/// Constants of the model that `config.json` does not carry; both nodes compute with these.
+pub mod spec {
+    /// ε of the MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`), built without an explicit
+    /// eps (spec §3.0, §8).
+    pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
+    /// ε inside the KDA q/k L2 norm `x / sqrt(Σx² + eps)` (fla, spec §3.0).
+    pub const KDA_L2_EPS: f32 = 1e-6;
+    /// KDA chunk length of the chunked (prefill) form; the last chunk may be shorter (spec §3.4).
+    pub const KDA_CHUNK: usize = 64;
+}
+
 /// Top-level `config.json` of `KimiK3ForConditionalGeneration`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct K3Config {

@@ -5,6 +5,7 @@
 //! practical bandwidth ceiling printed first.
 
 use anyhow::Result;
+use k3_protocol::config::spec::KDA_L2_EPS;
 
 use crate::backend::{Backend, HostTensor, KdaDims, SituBetas};
 use crate::cuda::backend::CudaBuf;
@@ -104,10 +105,10 @@ pub fn run(tokens: &[usize], reps: usize, json: bool) -> Result<()> {
             let mut win = b.zeros(3, c)?;
             let ms = time(&b, reps, || b.short_conv_silu(&x, &conv_w, &mut win).map(drop))?;
             push("short_conv_silu", format!("{t}x{c} K4"), ms, 2.0 * tc);
-            let ms = time(&b, reps, || b.short_conv_silu_l2(&x, &conv_w, &mut win, kd, 1e-6, 1.0).map(drop))?;
+            let ms = time(&b, reps, || b.short_conv_silu_l2(&x, &conv_w, &mut win, kd, KDA_L2_EPS, 1.0).map(drop))?;
             push("short_conv_silu_l2 (fused op)", format!("{t}x{c} K4"), ms, 2.0 * tc);
             let mut q = b.short_conv_silu(&x, &conv_w, &mut win)?;
-            let ms = time(&b, reps, || b.l2_norm_heads(&mut q, kd, 1e-6, 1.0 / (kd as f32).sqrt()))?;
+            let ms = time(&b, reps, || b.l2_norm_heads(&mut q, kd, KDA_L2_EPS, 1.0 / (kd as f32).sqrt()))?;
             push("l2_norm_heads", format!("{t}x{kh}x{kd}"), ms, 2.0 * tc);
             drop(q);
             let ms = time(&b, reps, || b.kda_gate(&x, &a_log, &dt_bias, dims, Some(-5.0)).map(drop))?;

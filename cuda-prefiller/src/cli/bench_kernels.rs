@@ -111,8 +111,8 @@ pub fn run(args: &KernelBench) -> Result<()> {
         let c = h * d;
         let mut q = b.upload(&rnd(t * c, 1, -1.0, 1.0), t, c)?;
         let mut k = b.upload(&rnd(t * c, 2, -1.0, 1.0), t, c)?;
-        b.l2_norm_heads(&mut q, d, 1e-6, 1.0 / (d as f32).sqrt())?;
-        b.l2_norm_heads(&mut k, d, 1e-6, 1.0)?;
+        b.l2_norm_heads(&mut q, d, k3_protocol::config::spec::KDA_L2_EPS, 1.0 / (d as f32).sqrt())?;
+        b.l2_norm_heads(&mut k, d, k3_protocol::config::spec::KDA_L2_EPS, 1.0)?;
         let v = b.upload(&rnd(t * c, 3, -1.0, 1.0), t, c)?;
         let gg = b.upload(&rnd(t * c, 4, -5.0, 0.0), t, c)?;
         let beta = b.upload(&rnd(t * h, 5, 0.0, 1.0), t, h)?;
@@ -245,67 +245,49 @@ struct MoeTimes {
     moe_dense_tflops: f64,
 }
 
-/// The routed-expert shapes of a K3-layout config.
-struct Dims {
-    experts: usize,
-    top_k: usize,
-    inter: usize,
-    latent: usize,
-    betas: crate::backend::SituBetas,
-}
-
-impl Dims {
-    fn of(c: &k3_protocol::config::TextConfig) -> Self {
-        Dims {
-            experts: c.num_experts,
-            top_k: c.num_experts_per_token,
-            inter: c.moe_intermediate_size,
-            latent: c.routed_expert_hidden_size,
-            betas: crate::backend::SituBetas { beta: c.activation_situ_beta, linear_beta: c.activation_situ_linear_beta },
-        }
-    }
-}
-
 /// The routed experts of one K3 layer (896 MXFP4 experts of 3072 x 3584, top-16), all resident.
 struct MoeBench {
-    d: Dims,
+    /// Routed experts in the layer.
+    experts: usize,
+    /// The K3 config's dims (top-k, SiTU betas) as the model derives them.
+    d: crate::model::ModelDims,
     lay: crate::expert_layout::ExpertLayout,
     arena: crate::cuda::DevMem,
 }
 
 impl MoeBench {
     fn new(b: &CudaBackend) -> Result<Self> {
-        let d = Dims::of(
-            &k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
-                .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
-                .text_config,
-        );
-        let lay = crate::expert_layout::ExpertLayout::new(d.inter, d.latent)?;
-        let arena = b.gpu.alloc_sync(lay.stride * d.experts)?;
+        let c = k3_protocol::synth::presets::build_config(k3_protocol::synth::presets::Preset::K3, &Default::default())
+            .map_err(|e| anyhow::anyhow!("K3 config: {e}"))?
+            .text_config;
+        let (experts, d) = (c.num_experts, crate::model::ModelDims::of(&c));
+        let lay = crate::expert_layout::ExpertLayout::new(c.moe_intermediate_size, c.routed_expert_hidden_size)?;
+        let arena = b.gpu.alloc_sync(lay.stride * experts)?;
         // every code 7 (6.0), every scale 2^-8
         unsafe {
             crate::cuda::gpu::ck(cudarc::driver::sys::cuMemsetD8_v2(arena.ptr, 0x77, arena.bytes), "filling the expert arena")?;
         }
-        Ok(MoeBench { d, lay, arena })
+        Ok(MoeBench { experts, d, lay, arena })
     }
 
     /// Both expert GEMMs (gate/up + SiTU, down; not the gather and combine) over `t` tokens with
     /// uniform routing, on the mma.sync kernel and on the dense path (median of `reps`).
     fn time(&self, b: &mut CudaBackend, t: usize, reps: usize, dense_configs: &[String]) -> Result<MoeTimes> {
-        let (d, g) = (&self.d, b.gpu.clone());
-        let ids: Vec<i32> = (0..t * d.top_k).map(|i| (((i / d.top_k) * 7919 + (i % d.top_k) * 56) % d.experts) as i32).collect();
+        let (d, g, lay) = (&self.d, b.gpu.clone(), &self.lay);
+        let (experts, inter, latent) = (self.experts, lay.inter, lay.latent);
+        let ids: Vec<i32> = (0..t * d.top_k).map(|i| (((i / d.top_k) * 7919 + (i % d.top_k) * 56) % experts) as i32).collect();
         let ids_d = b.upload_bytes(bytemuck::cast_slice(&ids))?;
         let w_d = b.upload_bytes(bytemuck::cast_slice(&vec![1.0f32 / d.top_k as f32; t * d.top_k]))?;
-        let x: Vec<f32> = (0..t * d.latent).map(|i| ((((i as u64) ^ 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32) - 1.0).collect();
-        let xl = b.upload(&x, t, d.latent)?;
+        let x: Vec<f32> = (0..t * latent).map(|i| ((((i as u64) ^ 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32) - 1.0).collect();
+        let xl = b.upload(&x, t, latent)?;
         drop(x);
         let saved = b.moe_path;
         b.moe_path = crate::cuda::moe_dense::MoePath::Auto;
-        let mut plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d.top_k, d.experts, &self.lay)?;
+        let mut plan = b.moe_prepare(&xl, ids_d.ptr, w_d, d.top_k, experts, &self.lay)?;
         b.moe_path = saved;
         drop(xl);
         let auto_dense = plan.dense;
-        let eflops = (t * d.top_k) as f64 * 3.0 * 2.0 * (d.inter * d.latent) as f64;
+        let eflops = (t * d.top_k) as f64 * 3.0 * 2.0 * (inter * latent) as f64;
         // GPU time from events; the host's enqueue time is logged (a path bound by launches
         // shows GPU time ~ enqueue time)
         let timed = |b: &CudaBackend, plan: &crate::cuda::moe_plan::MoePlan| -> Result<(f64, f64)> {
@@ -315,7 +297,7 @@ impl MoeBench {
                 let e1 = g.event()?;
                 e0.record(g.stream())?;
                 let h0 = Instant::now();
-                b.moe_run_chunk(plan, &self.lay, self.arena.ptr, 0, d.experts, d.betas, None)?;
+                b.moe_run_chunk(plan, &self.lay, self.arena.ptr, 0, experts, d.situ, None)?;
                 host.push(h0.elapsed().as_secs_f64() * 1e3);
                 e1.record(g.stream())?;
                 e1.sync()?;
@@ -343,7 +325,7 @@ impl MoeBench {
         let pick = if auto_dense { ms[1] } else { ms[0] };
         Ok(MoeTimes {
             moe_tokens: t,
-            moe_rows_per_expert: (t * d.top_k) as f64 / d.experts as f64,
+            moe_rows_per_expert: (t * d.top_k) as f64 / experts as f64,
             moe_path: if auto_dense { "dense" } else { "mma" },
             moe_ms: pick,
             moe_tflops: eflops / pick / 1e9,

@@ -2,10 +2,11 @@
 //! gate with `A_log` per head, β, the delta rule (chunked for prefill, recurrent for
 //! decode), gated per-head RMSNorm, `o_proj`.
 
+use k3_protocol::config::spec::{KDA_CHUNK, KDA_L2_EPS};
 use k3_protocol::handoff::KdaState;
 
 use super::weights::KdaWeights;
-use super::{ModelDims, KDA_CHUNK, KDA_L2_EPS};
+use super::ModelDims;
 use crate::backend::{Backend, KdaInputs};
 
 /// Which form of the delta-rule recurrence to run.

@@ -2,8 +2,10 @@
 //! which is also the cache row), causal attention (expanded for prefill, absorbed over the
 //! latent cache for decode), sigmoid output gate from the normed layer input, `o_proj`.
 
+use k3_protocol::config::spec::MLA_LATENT_NORM_EPS;
+
 use super::weights::MlaWeights;
-use super::{ModelDims, MLA_LATENT_NORM_EPS};
+use super::ModelDims;
 use crate::backend::{Backend, MlaForm};
 
 /// An MLA layer's latent cache on the backend: `latent [capacity, kv_lora+rope]`, of which

@@ -18,13 +18,6 @@ use k3_protocol::Checkpoint;
 use crate::backend::{Backend, KdaDims, MlaDims, SituBetas};
 pub use weights::{HeadWeights, LayerWeights};
 
-/// Epsilon of the MLA `q_a_layernorm` / `kv_a_layernorm` (built without an explicit eps, spec §8).
-pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
-/// Epsilon inside the KDA q/k L2 norm `x / sqrt(Σx² + eps)` (fla, spec §3.0).
-pub const KDA_L2_EPS: f32 = 1e-6;
-/// KDA chunk length of the chunked prefill form (spec §3.4).
-pub const KDA_CHUNK: usize = 64;
-
 /// Everything the block code needs from the config, in one place.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ModelDims {

@@ -8,19 +8,13 @@ use anyhow::{bail, Result};
 use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, linalg, ops, Array, Dtype, Stream};
 
+use k3_protocol::config::spec::{KDA_CHUNK, KDA_L2_EPS, MLA_LATENT_NORM_EPS};
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
 
 use super::cache::{KdaCache, LayerCache, MlaCache, ModelCache};
 use super::weights::WeightLoader;
 use crate::distributed::{expert_range, Group};
 use crate::mlx::{gather_qmm_mxfp4, Mxfp4Array};
-
-/// ε of the MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`), spec §3.0/§8.
-const MLA_NORM_EPS: f32 = 1e-6;
-/// ε inside the KDA L2 norm of q and k: `x / sqrt(Σx² + 1e-6)` (fla).
-const KDA_L2_EPS: f32 = 1e-6;
-/// KDA chunk length of the parallel (prefill) form, spec §3.4.
-pub const KDA_CHUNK: usize = 64;
 
 /// How KDA consumes a run of tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +371,7 @@ impl Mla {
     /// The latent rows of `x`: post-norm `c_kv` then raw `k_pe`, `[T, rank + rope]`.
     fn latent_rows(&self, x: &Array) -> Result<Array> {
         let kv = f32(&linear(x, &self.kv_a)?)?; // the cache is FP32 (canonical hand-off)
-        let c_kv = rms_norm(&cols(&kv, 0, self.rank)?, &self.kv_a_norm, MLA_NORM_EPS)?;
+        let c_kv = rms_norm(&cols(&kv, 0, self.rank)?, &self.kv_a_norm, MLA_LATENT_NORM_EPS)?;
         let k_pe = cols(&kv, self.rank, self.rank + self.rope)?;
         Ok(ops::concatenate(&[&c_kv, &k_pe], -1)?)
     }
@@ -391,7 +385,7 @@ impl Mla {
         let t = rows / b;
         let (h, dn, dr) = (self.heads, self.nope, self.rope);
         // queries: c_q = RMSNorm(W_qa x), q = W_qb c_q → [H, rows, nope | rope]
-        let c_q = rms_norm(&linear(x, &self.q_a)?, &self.q_a_norm, MLA_NORM_EPS)?;
+        let c_q = rms_norm(&linear(x, &self.q_a)?, &self.q_a_norm, MLA_LATENT_NORM_EPS)?;
         let q = f32(&linear(&c_q, &self.q_b)?)?.reshape(&[rows, h, dn + dr])?.transpose_axes(&[1, 0, 2])?;
         let q_nope = cols(&q, 0, dn)?;
         let q_pe = cols(&q, dn, dn + dr)?;
