@@ -49,6 +49,31 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
+/// One line of the drift trace: time, RSS, descriptors, MLX's active and cached memory, and the
+/// decoder's held session state (from its metrics), so that growth can be told apart.
+async fn sample(base: &str, t0: Instant) -> String {
+    let mb = |b: usize| b as f64 / 1e6;
+    let active = mlx_rs::memory::active_memory().map_or(f64::NAN, mb);
+    let cache = mlx_rs::memory::cache_memory().map_or(f64::NAN, mb);
+    let metrics = match reqwest::get(format!("{base}/metrics")).await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    let gauge = |name: &str| -> f64 {
+        metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
+    };
+    format!(
+        "t {:>4.0} s  RSS {:>4.0} MB  fds {:>3}  MLX active {:>5.1} MB cache {:>5.1} MB  sessions {:>2} ({:.1} MB)",
+        t0.elapsed().as_secs_f64(),
+        rss_mb(),
+        open_fds(),
+        active,
+        cache,
+        gauge("k3_sessions_held"),
+        gauge("k3_session_state_bytes") / 1e6,
+    )
+}
+
 fn png(w: u32, h: u32, seed: u32) -> String {
     use base64::Engine as _;
     let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7 + seed) as u8, (y * 13 + seed) as u8, ((x ^ y) * 5) as u8]));
@@ -342,6 +367,17 @@ fn soak_both_servers_under_mixed_load() {
     let warmup = Duration::from_secs(secs / 4);
     let end = Duration::from_secs(secs);
     let baseline = Arc::new(std::sync::Mutex::new(None::<(f64, usize)>));
+    // The drift trace: ten samples over the run (every 30 s at most).
+    let every = Duration::from_secs((secs / 10).clamp(1, 30));
+    let sampler = rt.spawn({
+        let base = base.clone();
+        async move {
+            while t0.elapsed() < end {
+                eprintln!("{}", sample(&base, t0).await);
+                tokio::time::sleep(every).await;
+            }
+        }
+    });
     rt.block_on(async {
         let mut tasks = Vec::new();
         for w in 0..4u64 {
@@ -369,6 +405,8 @@ fn soak_both_servers_under_mixed_load() {
     std::thread::sleep(Duration::from_secs(2));
     // Let the relay close the sockets of decoder endpoints that are gone (a NAT's idle expiry).
     std::thread::sleep(RELAY_IDLE + Duration::from_secs(2));
+    sampler.abort();
+    eprintln!("{} (end, after settling)", rt.block_on(sample(&base, t0)));
     let (rss0, fds0) = baseline.lock().unwrap().expect("the warm-up ended");
     let (rss1, fds1) = (rss_mb(), open_fds());
     let snap = node.snapshot();
