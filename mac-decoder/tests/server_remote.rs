@@ -362,7 +362,7 @@ fn a_client_that_leaves_during_a_remote_prefill_cancels_it_on_the_node() {
         let cancelled_at = t0.elapsed().as_secs_f64();
         let rec = records(&node, 1);
         assert_eq!(rec.len(), 1);
-        assert!(matches!(rec[0].outcome, cuda_prefiller::server::Outcome::Failed { .. }), "the node's record: {:?}", rec[0].outcome);
+        assert!(matches!(rec[0].outcome, cuda_prefiller::server::RequestOutcome::Failed { .. }), "the node's record: {:?}", rec[0].outcome);
         assert!(rec[0].total_s < 2.5, "the node worked {:.1} s on an abandoned prompt", rec[0].total_s);
         assert_eq!(metric(&s, LOCAL).await, 0.0, "the abandoned prompt was prefilled locally");
         assert_eq!(metric(&s, FALLBACKS).await, 0.0);

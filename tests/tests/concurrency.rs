@@ -6,7 +6,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cuda_prefiller::server::{Outcome, ServeOptions};
+use cuda_prefiller::server::{RequestOutcome, ServeOptions};
 use k3_e2e_tests::*;
 use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{Conversation, Route};
@@ -57,7 +57,7 @@ fn two_decoders_share_one_node() {
         .collect();
     let results: Vec<(String, usize)> = decoders.into_iter().map(|h| h.join().expect("decoder thread")).collect();
     let recs = records(&node, 4);
-    assert!(recs.iter().all(|r| r.outcome == Outcome::Completed), "{recs:?}");
+    assert!(recs.iter().all(|r| r.outcome == RequestOutcome::Completed), "{recs:?}");
     for (session, tokens) in &results {
         let mine: Vec<_> = recs.iter().filter(|r| &r.session == session).collect();
         assert_eq!(mine.len(), 2, "two requests per decoder");

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuda_prefiller::server::{Outcome, ServeOptions};
+use cuda_prefiller::server::{RequestOutcome, ServeOptions};
 use k3_e2e_tests::*;
 use k3_protocol::transport::hooks::FaultHooks;
 use mac_decoder::decode::{Engine, GenerateParams};
@@ -86,7 +86,7 @@ fn node_refuses_the_request() {
     let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
     expect_fallback(&engine, &mut remote, &prompt(61, 150, 1000), &["TooLarge", "limit of 100"]);
     let rec = records(&node, 1)[0].clone();
-    assert!(matches!(rec.outcome, Outcome::Refused { ref code, .. } if code == "TooLarge"), "{rec:?}");
+    assert!(matches!(rec.outcome, RequestOutcome::Refused { ref code, .. } if code == "TooLarge"), "{rec:?}");
     // A refusal is an answer: the connection stays and a request the node takes still works.
     let mut conv = Conversation::new(&engine).unwrap();
     let t = remote.prefill(&engine, &mut conv, &prompt(62, 80, 1000), None).unwrap();

@@ -2,7 +2,7 @@
 //! prefills only what the node has not seen — the tokens the decoder generated and the new
 //! prompt — and the result equals a fresh one-shot prefill of the whole conversation.
 
-use cuda_prefiller::server::{Outcome, ServeOptions, StoreLimits};
+use cuda_prefiller::server::{RequestOutcome, ServeOptions, StoreLimits};
 use k3_e2e_tests::*;
 use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{Conversation, Route};
@@ -31,7 +31,7 @@ fn three_turns_prefill_only_new_tokens_and_equal_one_shot() {
         assert_eq!(t.prefill_tokens, unseen + p.len(), "turn {}", i + 1);
         assert_eq!(unseen, if i == 0 { 0 } else { GEN });
         let rec = records(&node, i + 1)[i].clone();
-        assert_eq!(rec.outcome, Outcome::Completed);
+        assert_eq!(rec.outcome, RequestOutcome::Completed);
         assert_eq!(rec.base_tokens as usize, held, "turn {}: the request's base is the node's prefix", i + 1);
         assert_eq!(rec.new_tokens as usize, unseen + p.len());
         assert_eq!(conv.remote_prefix_tokens(), before + p.len());
@@ -87,7 +87,7 @@ fn an_evicted_prefix_is_resent_whole_with_the_same_result() {
     assert!(cap.text().contains("no longer holds this conversation"), "log: {}", cap.text());
     let recent = records(&node, 3);
     let refused = &recent[recent.len() - 2];
-    assert!(matches!(&refused.outcome, Outcome::Refused { code, .. } if code == "BaseNotHeld"), "{refused:?}");
+    assert!(matches!(&refused.outcome, RequestOutcome::Refused { code, .. } if code == "BaseNotHeld"), "{refused:?}");
     assert_eq!(recent.last().unwrap().base_tokens, 0);
     let (_, one_shot) = local_greedy(&engine, conv.tokens(), 1);
     let err = rel_l2(conv.last_logits().unwrap(), &one_shot);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuda_prefiller::executor::{self, ExecOptions, LogitsRows, PassRequest, PrefillInput, WeightFeed};
-use cuda_prefiller::server::{Outcome, ServeOptions};
+use cuda_prefiller::server::{RequestOutcome, ServeOptions};
 use k3_e2e_tests::*;
 use k3_protocol::handoff::{token_prefix_hash, HandoffState, LayerState};
 use k3_protocol::transport::PrefillClient;
@@ -147,7 +147,7 @@ fn three_decoders_at_once_share_weight_passes_with_separate_results() {
         out
     });
     let recs = records(&node, 4);
-    assert!(recs.iter().all(|r| r.outcome == Outcome::Completed), "{recs:?}");
+    assert!(recs.iter().all(|r| r.outcome == RequestOutcome::Completed), "{recs:?}");
     let c = node.snapshot().counters;
     eprintln!("{} requests completed in {} weight passes", c.completed, c.weight_passes);
     assert_eq!(c.completed, 4);

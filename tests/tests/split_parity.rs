@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use cuda_prefiller::server::{Outcome, PrefillNode, ServeOptions};
+use cuda_prefiller::server::{RequestOutcome, PrefillNode, ServeOptions};
 use k3_e2e_tests::*;
 use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{Conversation, RemotePrefiller, Route};
@@ -49,7 +49,7 @@ fn assert_remote_equals_local(s: &mut Split, prompt: &[u32], n: usize) -> (Vec<u
     assert_eq!(tokens, local_tokens, "remote-prefill greedy tokens differ from local-prefill ones");
     let recent = records(&s.node, 1);
     let rec = recent.last().unwrap();
-    assert_eq!(rec.outcome, Outcome::Completed);
+    assert_eq!(rec.outcome, RequestOutcome::Completed);
     assert_eq!(rec.new_tokens as usize, prompt.len());
     assert_eq!(rec.base_tokens, 0);
     (tokens, logits, conv)

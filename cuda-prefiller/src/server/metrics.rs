@@ -17,7 +17,7 @@ use crate::server::sessions::StoreStats;
 
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub enum Outcome {
+pub enum RequestOutcome {
     /// Every layer delivered, `Done` sent.
     Completed,
     /// Refused before any compute (busy, base not held, invalid, too large).
@@ -36,7 +36,7 @@ pub struct RequestRecord {
     pub base_tokens: u64,
     /// Tokens prefilled by this request.
     pub new_tokens: u64,
-    pub outcome: Outcome,
+    pub outcome: RequestOutcome,
     /// Waiting for the compute worker.
     pub queue_s: f64,
     /// Layer compute (waits for the network excluded).
@@ -127,13 +127,13 @@ impl ServerMetrics {
         if let Ok(mut g) = self.inner.lock() {
             let c = &mut g.0;
             match &r.outcome {
-                Outcome::Completed => {
+                RequestOutcome::Completed => {
                     c.completed += 1;
                     c.tokens_prefilled += r.new_tokens;
                     c.state_bytes_sent += r.state_bytes;
                 }
-                Outcome::Refused { .. } => c.refused += 1,
-                Outcome::Failed { .. } => c.failed += 1,
+                RequestOutcome::Refused { .. } => c.refused += 1,
+                RequestOutcome::Failed { .. } => c.failed += 1,
             }
             c.compute_s += r.compute_s;
             if g.1.len() == RECENT {
@@ -159,12 +159,12 @@ impl ServerMetrics {
     }
 
     /// Changes the outcome of a recorded request (a `Completed` one whose delivery then failed).
-    pub fn amend(&self, request: u64, peer: &str, outcome: Outcome) {
+    pub fn amend(&self, request: u64, peer: &str, outcome: RequestOutcome) {
         if let Ok(mut g) = self.inner.lock() {
             let (c, recent) = &mut *g;
             let Some(r) = recent.iter_mut().rev().find(|r| r.request == request && r.peer == peer) else { return };
             let old = std::mem::replace(&mut r.outcome, outcome.clone());
-            if old == Outcome::Completed && outcome != Outcome::Completed {
+            if old == RequestOutcome::Completed && outcome != RequestOutcome::Completed {
                 c.completed = c.completed.saturating_sub(1);
                 c.tokens_prefilled = c.tokens_prefilled.saturating_sub(r.new_tokens);
                 c.state_bytes_sent = c.state_bytes_sent.saturating_sub(r.state_bytes);
@@ -356,7 +356,7 @@ mod tests {
             session: "s".into(),
             base_tokens: 0,
             new_tokens: 100,
-            outcome: Outcome::Completed,
+            outcome: RequestOutcome::Completed,
             queue_s: 0.0,
             compute_s: 2.0,
             network_wait_s: 0.0,

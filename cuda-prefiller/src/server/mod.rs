@@ -38,7 +38,7 @@ use crate::backend::Backend;
 use crate::model::Model;
 use context::NodeContext;
 pub use context::{OnVerified, ServeOptions};
-pub use metrics::{MetricsSnapshot, Outcome, RequestRecord, ServerMetrics};
+pub use metrics::{MetricsSnapshot, RequestOutcome, RequestRecord, ServerMetrics};
 pub use sessions::{PrefixStore, StoreLimits, StoreStats};
 
 /// A running prefill node: its own tokio runtime (network), one compute thread (model).

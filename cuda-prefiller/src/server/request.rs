@@ -12,7 +12,7 @@ use k3_protocol::wire::{ErrorCode, SessionId, StateLayout, Timing};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::executor::EmbeddingOverrides;
-use crate::server::metrics::{Outcome, RequestRecord};
+use crate::server::metrics::{RequestOutcome, RequestRecord};
 use crate::server::sessions::{LeaseError, Leased};
 use crate::server::context::NodeContext;
 use crate::server::worker::{JobDone, PrefillJob};
@@ -101,7 +101,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         session: session.to_string(),
         base_tokens: r.base.as_ref().map_or(0, |b| b.tokens),
         new_tokens,
-        outcome: Outcome::Completed,
+        outcome: RequestOutcome::Completed,
         queue_s: 0.0,
         compute_s: 0.0,
         network_wait_s: 0.0,
@@ -167,7 +167,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         Ok(tx) => tx,
         Err(e) => {
             start.put_back(&sh, Some(state));
-            record.outcome = Outcome::Failed { reason: format!("accept: {e}") };
+            record.outcome = RequestOutcome::Failed { reason: format!("accept: {e}") };
             tracing::warn!(%peer, %session, "could not accept the request: {e}");
             return sh.metrics.record(record);
         }
@@ -200,7 +200,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         sh.cost.finished(job_id, Vec::new(), None);
         start.put_back(&sh, Some(job.state));
         tx.abort(ErrorCode::ShuttingDown, "the compute worker is gone").await;
-        record.outcome = Outcome::Failed { reason: "the compute worker is gone".into() };
+        record.outcome = RequestOutcome::Failed { reason: "the compute worker is gone".into() };
         return sh.metrics.record(record);
     }
     let mut send_err: Option<TransferError> = None;
@@ -258,7 +258,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
             tx.abort(ErrorCode::Internal, &reason).await;
         }
         tracing::warn!(%peer, %session, "prefill request failed: {reason}");
-        record.outcome = Outcome::Failed { reason };
+        record.outcome = RequestOutcome::Failed { reason };
         record.total_s = accepted_at.elapsed().as_secs_f64();
         return sh.metrics.record(record);
     }
@@ -306,7 +306,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         // already named it in a new request (then it did get `Done`).
         sh.sessions.lock().unwrap_or_else(|p| p.into_inner()).forget_if_idle(&session, &all);
         tracing::warn!(%peer, %session, "hand-off not delivered: {e}");
-        sh.metrics.amend(record.request, &record.peer, Outcome::Failed { reason: format!("transfer: {e}") });
+        sh.metrics.amend(record.request, &record.peer, RequestOutcome::Failed { reason: format!("transfer: {e}") });
     }
 }
 
@@ -325,6 +325,6 @@ async fn refuse(sh: &NodeContext, req: IncomingRequest, f: Refusal, mut record: 
     if let Err(e) = req.refuse(f.code, &f.message).await {
         tracing::debug!("refusal not delivered: {e}");
     }
-    record.outcome = Outcome::Refused { code, message: f.message };
+    record.outcome = RequestOutcome::Refused { code, message: f.message };
     sh.metrics.record(record);
 }
