@@ -6,6 +6,8 @@ use k3_protocol::config::spec::{KDA_CHUNK, KDA_L2_EPS};
 use k3_protocol::handoff::KdaState;
 
 use super::weights::KdaWeights;
+#[cfg(feature = "test-knobs")]
+use super::weights::PlantedGate;
 use super::ModelDims;
 use crate::backend::{Backend, KdaInputs};
 
@@ -94,23 +96,9 @@ fn decay_gate<B: Backend>(b: &B, z: &B::Buf, w: &KdaWeights<B>, d: &ModelDims) -
     b.kda_gate(z, &w.a_log, &w.dt_bias, d.kda, d.gate_lower_bound)
 }
 
-/// The planted misread of `A_log` (feature `test-knobs`: tests only): `exp(A_log[d])` per key
-/// channel `d` instead of per head, computed on the host from the stored tensors.
-#[cfg(feature = "test-knobs")]
-#[derive(Debug, Clone)]
-pub struct PlantedGate {
-    /// The stored `A_log` (all entries) and `dt_bias`.
-    a_log: Vec<f32>,
-    dt_bias: Vec<f32>,
-}
-
+/// The gate as the planted misread of `A_log` computes it (see [`PlantedGate`]).
 #[cfg(feature = "test-knobs")]
 impl PlantedGate {
-    pub fn load(ck: &k3_protocol::Checkpoint, l: usize) -> anyhow::Result<Self> {
-        let t = |s: &str| ck.tensor(&k3_protocol::tensors::layer_tensor(l, s))?.to_f32();
-        Ok(PlantedGate { a_log: t("self_attn.A_log")?, dt_bias: t("self_attn.dt_bias")? })
-    }
-
     fn gate<B: Backend>(&self, b: &B, z: &B::Buf, d: &ModelDims) -> anyhow::Result<B::Buf> {
         use crate::backend::DeviceBuf;
         let dk = d.kda;

@@ -186,7 +186,7 @@ impl<B: Backend> Model<B> {
         })?;
         #[cfg(feature = "test-knobs")]
         if let (true, weights::AttnWeights::Kda(k)) = (self.misread.a_log_per_channel, &mut w.attn) {
-            k.planted_gate = Some(kda::PlantedGate::load(&self.ck, spec.index)?);
+            k.planted_gate = Some(weights::PlantedGate::load(&self.ck, spec.index)?);
         }
         Ok(w)
     }

@@ -44,11 +44,29 @@ pub struct KdaWeights<B: Backend> {
     pub a_log: B::Weight,
     /// The planted per-channel `A_log` misread (feature `test-knobs`; set by `Model` only).
     #[cfg(feature = "test-knobs")]
-    pub planted_gate: Option<super::kda::PlantedGate>,
+    pub planted_gate: Option<PlantedGate>,
     pub b_proj: B::Weight,
     pub g_proj: B::Weight,
     pub o_norm: B::Weight,
     pub o_proj: B::Weight,
+}
+
+/// The planted misread of `A_log` (feature `test-knobs`: tests only): `exp(A_log[d])` per key
+/// channel `d` instead of per head, computed on the host from the stored tensors.
+#[cfg(feature = "test-knobs")]
+#[derive(Debug, Clone)]
+pub struct PlantedGate {
+    /// The stored `A_log` (all entries) and `dt_bias`.
+    pub(crate) a_log: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
+}
+
+#[cfg(feature = "test-knobs")]
+impl PlantedGate {
+    pub fn load(ck: &Checkpoint, l: usize) -> anyhow::Result<Self> {
+        let t = |s: &str| ck.tensor(&layer_tensor(l, s))?.to_f32();
+        Ok(PlantedGate { a_log: t("self_attn.A_log")?, dt_bias: t("self_attn.dt_bias")? })
+    }
 }
 
 pub struct MlaWeights<B: Backend> {
