@@ -600,7 +600,7 @@ impl StreamedWeights {
         };
         let head = model.head()?;
         let embed_table = {
-            let name = format!("{}model.embed_tokens.weight", k3_protocol::tensors::TEXT_PREFIX);
+            let name = k3_protocol::tensors::text_tensor("model.embed_tokens.weight");
             let v = model.ck.tensor(&name)?;
             match v.dtype {
                 k3_protocol::tensors::DType::BF16 => Some(model.backend.upload_bytes(v.bytes).with_context(|| format!("uploading {name}"))?),

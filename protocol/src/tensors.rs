@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{AttnKind, FfnKind, K3Config, TextConfig};
+use crate::config::{AttnKind, FfnKind, K3Config, LayerSpec, TextConfig};
 
 /// Storage dtypes that appear in a K3 checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -71,9 +71,26 @@ impl TensorSpec {
     pub fn nbytes(&self) -> usize {
         self.numel() * self.dtype.size()
     }
+    /// The tensor viewed as a `[rows, cols]` matrix: `cols` is the last dim, `rows` the product
+    /// of the others (1 for a vector).
+    pub fn matrix(&self) -> (usize, usize) {
+        match self.shape.split_last() {
+            Some((&cols, rest)) => (rest.iter().product(), cols),
+            None => (1, 1),
+        }
+    }
+    /// A routed expert's MXFP4 nibbles or scales.
+    pub fn is_expert(&self) -> bool {
+        matches!(self.init, Init::Mxfp4Packed | Init::Mxfp4Scale)
+    }
 }
 
 pub const TEXT_PREFIX: &str = "language_model.";
+
+/// Name of a text-tower tensor from its suffix, e.g. `model.norm.weight`.
+pub fn text_tensor(suffix: &str) -> String {
+    format!("{TEXT_PREFIX}{suffix}")
+}
 
 /// Name of a per-layer text tensor: `language_model.model.layers.{l}.{suffix}`.
 pub fn layer_tensor(l: usize, suffix: &str) -> String {
@@ -89,11 +106,29 @@ fn t(name: String, shape: &[usize], dtype: DType, init: Init) -> TensorSpec {
     TensorSpec { name, shape: shape.to_vec(), dtype, init }
 }
 
-/// Tensors of one decoder layer, in checkpoint order.
+/// Tensors of one decoder layer, in checkpoint order: [`layer_dense_tensors`], then the
+/// routed experts.
 pub fn layer_tensors(c: &TextConfig, l: usize) -> Vec<TensorSpec> {
+    let spec = c.layer_plan()[l];
+    let mut v = layer_dense_tensors(c, spec);
+    if spec.ffn == FfnKind::LatentMoe {
+        let (lat, mi) = (c.routed_expert_hidden_size, c.moe_intermediate_size);
+        for e in 0..c.experts_in_layer(l) {
+            for (w, out, inp) in [("w1", mi, lat), ("w2", lat, mi), ("w3", mi, lat)] {
+                v.push(t(expert_tensor(l, e, w, "weight_packed"), &[out, inp / 2], DType::U8, Init::Mxfp4Packed));
+                v.push(t(expert_tensor(l, e, w, "weight_scale"), &[out, inp / 32], DType::U8, Init::Mxfp4Scale));
+            }
+        }
+    }
+    v
+}
+
+/// Every tensor of layer `spec.index` but the routed experts, as a layer of kind `spec` has
+/// them, in checkpoint order.
+pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<TensorSpec> {
     use DType::*;
     let h = c.hidden_size;
-    let spec = c.layer_plan()[l];
+    let l = spec.index;
     let mut v = Vec::new();
     let lt = |s: &str| layer_tensor(l, s);
     v.push(t(lt("input_layernorm.weight"), &[h], BF16, Init::NormGain));
@@ -150,7 +185,6 @@ pub fn layer_tensors(c: &TextConfig, l: usize) -> Vec<TensorSpec> {
         FfnKind::LatentMoe => {
             let ne = c.experts_in_layer(spec.index);
             let lat = c.routed_expert_hidden_size;
-            let mi = c.moe_intermediate_size;
             let sw = c.shared_expert_width();
             let m = |s: &str| lt(&format!("block_sparse_moe.{s}"));
             v.push(t(m("gate.weight"), &[ne, h], BF16, Init::Linear));
@@ -161,12 +195,6 @@ pub fn layer_tensors(c: &TextConfig, l: usize) -> Vec<TensorSpec> {
             v.push(t(m("shared_experts.gate_proj.weight"), &[sw, h], BF16, Init::Linear));
             v.push(t(m("shared_experts.up_proj.weight"), &[sw, h], BF16, Init::Linear));
             v.push(t(m("shared_experts.down_proj.weight"), &[h, sw], BF16, Init::Linear));
-            for e in 0..ne {
-                for (w, out, inp) in [("w1", mi, lat), ("w2", lat, mi), ("w3", mi, lat)] {
-                    v.push(t(expert_tensor(l, e, w, "weight_packed"), &[out, inp / 2], U8, Init::Mxfp4Packed));
-                    v.push(t(expert_tensor(l, e, w, "weight_scale"), &[out, inp / 32], U8, Init::Mxfp4Scale));
-                }
-            }
         }
     }
     v
@@ -177,11 +205,11 @@ pub fn global_text_tensors(c: &TextConfig) -> Vec<TensorSpec> {
     use DType::*;
     let h = c.hidden_size;
     vec![
-        t(format!("{TEXT_PREFIX}model.embed_tokens.weight"), &[c.vocab_size, h], BF16, Init::Embedding),
-        t(format!("{TEXT_PREFIX}lm_head.weight"), &[c.vocab_size, h], BF16, Init::Linear),
-        t(format!("{TEXT_PREFIX}model.norm.weight"), &[h], BF16, Init::NormGain),
-        t(format!("{TEXT_PREFIX}model.output_attn_res_norm.weight"), &[h], BF16, Init::NormGain),
-        t(format!("{TEXT_PREFIX}model.output_attn_res_proj.weight"), &[1, h], BF16, Init::ResProj),
+        t(text_tensor("model.embed_tokens.weight"), &[c.vocab_size, h], BF16, Init::Embedding),
+        t(text_tensor("lm_head.weight"), &[c.vocab_size, h], BF16, Init::Linear),
+        t(text_tensor("model.norm.weight"), &[h], BF16, Init::NormGain),
+        t(text_tensor("model.output_attn_res_norm.weight"), &[h], BF16, Init::NormGain),
+        t(text_tensor("model.output_attn_res_proj.weight"), &[1, h], BF16, Init::ResProj),
     ]
 }
 

@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
-use k3_protocol::tensors::TEXT_PREFIX;
 use k3_protocol::Checkpoint;
 
 use crate::backend::{Backend, KdaDims, MlaDims, SituBetas};
@@ -215,7 +214,7 @@ impl<B: Backend> Model<B> {
     /// Embedding rows `[ids.len(), hidden]` read straight from the checkpoint (the table never
     /// goes to the backend). An id outside the vocabulary is an error naming its position.
     pub fn embed_rows(&self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
-        let name = format!("{TEXT_PREFIX}model.embed_tokens.weight");
+        let name = k3_protocol::tensors::text_tensor("model.embed_tokens.weight");
         let v = self.ck.tensor(&name)?;
         let h = self.dims.hidden;
         let vocab = self.dims.vocab;

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use anyhow::{ensure, Context};
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
-use k3_protocol::tensors::{layer_tensor, TEXT_PREFIX};
+use k3_protocol::tensors::{self, layer_tensor, Init};
 use k3_protocol::Checkpoint;
 
 use crate::backend::{Backend, ExpertHostWeights, HostTensor};
@@ -139,74 +139,21 @@ pub struct DenseTensor {
     pub prefix: bool,
 }
 
-/// Every dense tensor of layer `spec.index` (everything but the routed experts), in a fixed
-/// order. The synchronous loader and the weight streamer both fetch exactly this list.
+/// Every dense tensor of layer `spec.index` (everything but the routed experts) as the executor
+/// views it, in the order of [`tensors::layer_dense_tensors`], which it is derived from. The
+/// synchronous loader and the weight streamer both fetch exactly this list.
 pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<DenseTensor> {
-    let l = spec.index;
-    let h = c.hidden_size;
-    let mut v = Vec::new();
-    let mut d = |s: &str, rows: usize, cols: usize| v.push(DenseTensor { name: layer_tensor(l, s), rows, cols, prefix: false });
-    d("input_layernorm.weight", 1, h);
-    d("post_attention_layernorm.weight", 1, h);
-    d("self_attention_res_norm.weight", 1, h);
-    d("self_attention_res_proj.weight", 1, h);
-    d("mlp_res_norm.weight", 1, h);
-    d("mlp_res_proj.weight", 1, h);
-    match spec.attn {
-        AttnKind::Kda => {
-            let la = &c.linear_attn_config;
-            let w = c.kda_width();
-            let kern = la.short_conv_kernel_size;
-            d("self_attn.q_proj.weight", w, h);
-            d("self_attn.k_proj.weight", w, h);
-            d("self_attn.v_proj.weight", w, h);
-            d("self_attn.q_conv1d.weight", w, kern);
-            d("self_attn.k_conv1d.weight", w, kern);
-            d("self_attn.v_conv1d.weight", w, kern);
-            d("self_attn.f_a_proj.weight", la.head_dim, h);
-            d("self_attn.f_b_proj.weight", w, la.head_dim);
-            d("self_attn.dt_bias", 1, w);
-            d("self_attn.b_proj.weight", la.num_heads, h);
-            d("self_attn.g_proj.weight", w, h);
-            d("self_attn.o_norm.weight", 1, la.head_dim);
-            d("self_attn.o_proj.weight", h, w);
-        }
-        AttnKind::Mla => {
-            let nh = c.num_attention_heads;
-            d("self_attn.q_a_proj.weight", c.q_lora_rank, h);
-            d("self_attn.q_a_layernorm.weight", 1, c.q_lora_rank);
-            d("self_attn.q_b_proj.weight", nh * c.mla_qk_head_dim(), c.q_lora_rank);
-            d("self_attn.kv_a_proj_with_mqa.weight", c.mla_latent_width(), h);
-            d("self_attn.kv_a_layernorm.weight", 1, c.kv_lora_rank);
-            d("self_attn.kv_b_proj.weight", nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
-            d("self_attn.g_proj.weight", nh * c.v_head_dim, h);
-            d("self_attn.o_proj.weight", h, nh * c.v_head_dim);
-        }
-    }
-    match spec.ffn {
-        FfnKind::Dense => {
-            let i = c.intermediate_size;
-            d("mlp.gate_proj.weight", i, h);
-            d("mlp.up_proj.weight", i, h);
-            d("mlp.down_proj.weight", h, i);
-        }
-        FfnKind::LatentMoe => {
-            let (lat, ne, sw) = (c.routed_expert_hidden_size, c.experts_in_layer(spec.index), c.shared_expert_width());
-            d("block_sparse_moe.gate.weight", ne, h);
-            d("block_sparse_moe.gate.e_score_correction_bias", 1, ne);
-            d("block_sparse_moe.routed_expert_down_proj.weight", lat, h);
-            d("block_sparse_moe.routed_expert_norm.weight", 1, lat);
-            d("block_sparse_moe.routed_expert_up_proj.weight", h, lat);
-            d("block_sparse_moe.shared_experts.gate_proj.weight", sw, h);
-            d("block_sparse_moe.shared_experts.up_proj.weight", sw, h);
-            d("block_sparse_moe.shared_experts.down_proj.weight", h, sw);
-        }
-    }
-    if spec.attn == AttnKind::Kda {
-        let heads = c.linear_attn_config.num_heads;
-        v.push(DenseTensor { name: layer_tensor(l, "self_attn.A_log"), rows: 1, cols: heads, prefix: true });
-    }
-    v
+    tensors::layer_dense_tensors(c, spec)
+        .into_iter()
+        .map(|t| match t.init {
+            // Stored padded to head_dim; one value per head is read (spec §3.8).
+            Init::ALog { heads } => DenseTensor { name: t.name, rows: 1, cols: heads, prefix: true },
+            _ => {
+                let (rows, cols) = t.matrix();
+                DenseTensor { name: t.name, rows, cols, prefix: false }
+            }
+        })
+        .collect()
 }
 
 /// The routed experts of one MoE layer in the checkpoint, as [`Backend::load_experts`] takes them.
@@ -314,15 +261,17 @@ impl<B: Backend> LayerWeights<B> {
 
 impl<B: Backend> HeadWeights<B> {
     pub fn load(b: &B, ck: &Checkpoint, c: &TextConfig) -> anyhow::Result<Self> {
-        let h = c.hidden_size;
-        let g = |s: &str, rows: usize, cols: usize| load_dense(b, ck, &format!("{TEXT_PREFIX}{s}"), rows, cols);
+        let globals = tensors::global_text_tensors(c);
+        let g = |s: &str| {
+            let name = tensors::text_tensor(s);
+            let t = globals.iter().find(|t| t.name == name).with_context(|| format!("{name} is not a text tensor of the model"))?;
+            let (rows, cols) = t.matrix();
+            load_dense(b, ck, &name, rows, cols)
+        };
         Ok(HeadWeights {
-            output_res: ResWeights {
-                norm: g("model.output_attn_res_norm.weight", 1, h)?,
-                proj: g("model.output_attn_res_proj.weight", 1, h)?,
-            },
-            norm: g("model.norm.weight", 1, h)?,
-            lm_head: g("lm_head.weight", c.vocab_size, h)?,
+            output_res: ResWeights { norm: g("model.output_attn_res_norm.weight")?, proj: g("model.output_attn_res_proj.weight")? },
+            norm: g("model.norm.weight")?,
+            lm_head: g("lm_head.weight")?,
         })
     }
 }

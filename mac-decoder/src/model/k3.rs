@@ -10,6 +10,7 @@ use mlx_rs::{fast, linalg, ops, Array, Dtype, Stream};
 
 use k3_protocol::config::spec::{KDA_CHUNK, KDA_L2_EPS, MLA_LATENT_NORM_EPS};
 use k3_protocol::config::{AttnKind, FfnKind, LayerSpec, TextConfig};
+use k3_protocol::tensors::text_tensor;
 
 use super::cache::{KdaCache, LayerCache, MlaCache, ModelCache};
 use super::weights::WeightLoader;
@@ -94,8 +95,8 @@ struct AttnRes {
 
 impl AttnRes {
     fn load(wl: &mut WeightLoader, norm: &str, proj: &str, h: usize) -> Result<Self> {
-        let n = wl.dense_f32(norm, &[h])?;
-        let p = wl.dense_f32(proj, &[1, h])?.reshape(&[h as i32])?;
+        let n = wl.dense_f32(norm)?;
+        let p = wl.dense_f32(proj)?.reshape(&[h as i32])?;
         Ok(AttnRes { score: n * p })
     }
 
@@ -141,31 +142,31 @@ struct Kda {
 impl Kda {
     fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize) -> Result<Self> {
         let la = &c.linear_attn_config;
-        let (h, w, d, k) = (c.hidden_size, c.kda_width(), la.head_dim, la.short_conv_kernel_size);
+        let (w, d, k) = (c.kda_width(), la.head_dim, la.short_conv_kernel_size);
         let Some(lb) = la.gate_lower_bound else {
             bail!("layer {l}: linear_attn_config.gate_lower_bound is null; only K3's bounded KDA gate is implemented");
         };
         let conv = |wl: &mut WeightLoader, p: &str| -> Result<Array> {
-            Ok(wl.layer_f32(l, &format!("self_attn.{p}_conv1d.weight"), &[w, 1, k])?.reshape(&[w as i32, k as i32])?)
+            Ok(wl.layer_f32(l, &format!("self_attn.{p}_conv1d.weight"))?.reshape(&[w as i32, k as i32])?)
         };
         let a_log = wl.layer_prefix(l, "self_attn.A_log", la.num_heads)?;
         Ok(Kda {
             heads: la.num_heads as i32,
             dim: d as i32,
-            q_proj: wl.layer(l, "self_attn.q_proj.weight", &[w, h])?,
-            k_proj: wl.layer(l, "self_attn.k_proj.weight", &[w, h])?,
-            v_proj: wl.layer(l, "self_attn.v_proj.weight", &[w, h])?,
+            q_proj: wl.layer(l, "self_attn.q_proj.weight")?,
+            k_proj: wl.layer(l, "self_attn.k_proj.weight")?,
+            v_proj: wl.layer(l, "self_attn.v_proj.weight")?,
             q_conv: conv(wl, "q")?,
             k_conv: conv(wl, "k")?,
             v_conv: conv(wl, "v")?,
-            f_a: wl.layer(l, "self_attn.f_a_proj.weight", &[d, h])?,
-            f_b: wl.layer(l, "self_attn.f_b_proj.weight", &[w, d])?,
-            dt_bias: wl.layer_f32(l, "self_attn.dt_bias", &[w])?.reshape(&[la.num_heads as i32, d as i32])?,
+            f_a: wl.layer(l, "self_attn.f_a_proj.weight")?,
+            f_b: wl.layer(l, "self_attn.f_b_proj.weight")?,
+            dt_bias: wl.layer_f32(l, "self_attn.dt_bias")?.reshape(&[la.num_heads as i32, d as i32])?,
             a: a_log.exp()?.reshape(&[la.num_heads as i32, 1])?,
-            b_proj: wl.layer(l, "self_attn.b_proj.weight", &[la.num_heads, h])?,
-            g_proj: wl.layer(l, "self_attn.g_proj.weight", &[w, h])?,
-            o_norm: wl.layer_f32(l, "self_attn.o_norm.weight", &[d])?,
-            o_proj: wl.layer(l, "self_attn.o_proj.weight", &[h, w])?,
+            b_proj: wl.layer(l, "self_attn.b_proj.weight")?,
+            g_proj: wl.layer(l, "self_attn.g_proj.weight")?,
+            o_norm: wl.layer_f32(l, "self_attn.o_norm.weight")?,
+            o_proj: wl.layer(l, "self_attn.o_proj.weight")?,
             gate_lower_bound: lb,
             eps: c.rms_norm_eps,
         })
@@ -345,10 +346,9 @@ struct Mla {
 
 impl Mla {
     fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize) -> Result<Self> {
-        let h = c.hidden_size;
         let nh = c.num_attention_heads;
         let (dn, dr, dv, r) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let kv_b = wl.layer(l, "self_attn.kv_b_proj.weight", &[nh * (dn + dv), r])?;
+        let kv_b = wl.layer(l, "self_attn.kv_b_proj.weight")?;
         let kv_b = kv_b.reshape(&[nh as i32, (dn + dv) as i32, r as i32])?; // per head [k_nope; v]
         Ok(Mla {
             heads: nh as i32,
@@ -356,15 +356,15 @@ impl Mla {
             rope: dr as i32,
             v_dim: dv as i32,
             rank: r as i32,
-            q_a: wl.layer(l, "self_attn.q_a_proj.weight", &[c.q_lora_rank, h])?,
-            q_a_norm: wl.layer(l, "self_attn.q_a_layernorm.weight", &[c.q_lora_rank])?,
-            q_b: wl.layer(l, "self_attn.q_b_proj.weight", &[nh * (dn + dr), c.q_lora_rank])?,
-            kv_a: wl.layer(l, "self_attn.kv_a_proj_with_mqa.weight", &[r + dr, h])?,
-            kv_a_norm: wl.layer(l, "self_attn.kv_a_layernorm.weight", &[r])?,
+            q_a: wl.layer(l, "self_attn.q_a_proj.weight")?,
+            q_a_norm: wl.layer(l, "self_attn.q_a_layernorm.weight")?,
+            q_b: wl.layer(l, "self_attn.q_b_proj.weight")?,
+            kv_a: wl.layer(l, "self_attn.kv_a_proj_with_mqa.weight")?,
+            kv_a_norm: wl.layer(l, "self_attn.kv_a_layernorm.weight")?,
             w_uk: kv_b.try_index((.., 0..dn as i32))?,
             w_uv_t: kv_b.try_index((.., dn as i32..(dn + dv) as i32))?.transpose_axes(&[0, 2, 1])?,
-            g_proj: wl.layer(l, "self_attn.g_proj.weight", &[nh * dv, h])?,
-            o_proj: wl.layer(l, "self_attn.o_proj.weight", &[h, nh * dv])?,
+            g_proj: wl.layer(l, "self_attn.g_proj.weight")?,
+            o_proj: wl.layer(l, "self_attn.o_proj.weight")?,
         })
     }
 
@@ -490,8 +490,7 @@ struct ExpertShard {
 
 impl LatentMoe {
     fn load(wl: &mut WeightLoader, c: &TextConfig, l: usize, group: Option<&'static Group>) -> Result<Self> {
-        let (h, e, lat, inter) = (c.hidden_size, c.experts_in_layer(l), c.routed_expert_hidden_size, c.moe_intermediate_size);
-        let sw = c.shared_expert_width();
+        let (e, lat, inter) = (c.experts_in_layer(l), c.routed_expert_hidden_size, c.moe_intermediate_size);
         let p = |s: &str| format!("block_sparse_moe.{s}");
         let shard = group.filter(|g| g.is_distributed()).map(|group| ExpertShard { group, experts: expert_range(e, group.rank(), group.size()) });
         let mine = shard.as_ref().map_or(0..e, |s| s.experts.clone());
@@ -499,18 +498,18 @@ impl LatentMoe {
             top_k: c.num_experts_per_token as i32,
             renormalize: c.moe_renormalize,
             scaling: c.routed_scaling_factor,
-            router: wl.layer_f32(l, &p("gate.weight"), &[e, h])?,
-            router_bias: wl.layer_f32(l, &p("gate.e_score_correction_bias"), &[e])?,
-            down_proj: wl.layer(l, &p("routed_expert_down_proj.weight"), &[lat, h])?,
-            latent_norm: if c.latent_moe_use_norm { Some(wl.layer(l, &p("routed_expert_norm.weight"), &[lat])?) } else { None },
-            up_proj: wl.layer(l, &p("routed_expert_up_proj.weight"), &[h, lat])?,
+            router: wl.layer_f32(l, &p("gate.weight"))?,
+            router_bias: wl.layer_f32(l, &p("gate.e_score_correction_bias"))?,
+            down_proj: wl.layer(l, &p("routed_expert_down_proj.weight"))?,
+            latent_norm: if c.latent_moe_use_norm { Some(wl.layer(l, &p("routed_expert_norm.weight"))?) } else { None },
+            up_proj: wl.layer(l, &p("routed_expert_up_proj.weight"))?,
             w1: wl.experts(l, mine.clone(), "w1", inter, lat)?,
             w3: wl.experts(l, mine.clone(), "w3", inter, lat)?,
             w2: wl.experts(l, mine, "w2", lat, inter)?,
             shared: DenseMlp {
-                gate: wl.layer(l, &p("shared_experts.gate_proj.weight"), &[sw, h])?,
-                up: wl.layer(l, &p("shared_experts.up_proj.weight"), &[sw, h])?,
-                down: wl.layer(l, &p("shared_experts.down_proj.weight"), &[h, sw])?,
+                gate: wl.layer(l, &p("shared_experts.gate_proj.weight"))?,
+                up: wl.layer(l, &p("shared_experts.up_proj.weight"))?,
+                down: wl.layer(l, &p("shared_experts.down_proj.weight"))?,
             },
             eps: c.rms_norm_eps,
             shard,
@@ -642,8 +641,8 @@ impl DecoderLayer {
         let name = |s: &str| k3_protocol::tensors::layer_tensor(l, s);
         Ok(DecoderLayer {
             spec,
-            input_norm: wl.layer(l, "input_layernorm.weight", &[h])?,
-            post_norm: wl.layer(l, "post_attention_layernorm.weight", &[h])?,
+            input_norm: wl.layer(l, "input_layernorm.weight")?,
+            post_norm: wl.layer(l, "post_attention_layernorm.weight")?,
             attn_res: AttnRes::load(wl, &name("self_attention_res_norm.weight"), &name("self_attention_res_proj.weight"), h)?,
             mlp_res: AttnRes::load(wl, &name("mlp_res_norm.weight"), &name("mlp_res_proj.weight"), h)?,
             attn: match spec.attn {
@@ -652,9 +651,9 @@ impl DecoderLayer {
             },
             ffn: match spec.ffn {
                 FfnKind::Dense => Ffn::Dense(DenseMlp {
-                    gate: wl.layer(l, "mlp.gate_proj.weight", &[c.intermediate_size, h])?,
-                    up: wl.layer(l, "mlp.up_proj.weight", &[c.intermediate_size, h])?,
-                    down: wl.layer(l, "mlp.down_proj.weight", &[h, c.intermediate_size])?,
+                    gate: wl.layer(l, "mlp.gate_proj.weight")?,
+                    up: wl.layer(l, "mlp.up_proj.weight")?,
+                    down: wl.layer(l, "mlp.down_proj.weight")?,
                 }),
                 FfnKind::LatentMoe => Ffn::Moe(LatentMoe::load(wl, c, l, group)?),
             },
@@ -688,8 +687,8 @@ impl K3Text {
         group: Option<&'static Group>,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
-        let (h, vocab) = (c.hidden_size, c.vocab_size);
-        let embed = wl.dense(&WeightLoader::text("model.embed_tokens.weight"), &[vocab, h])?;
+        let h = c.hidden_size;
+        let embed = wl.dense(&text_tensor("model.embed_tokens.weight"))?;
         let plan = c.layer_plan();
         let mut layers = Vec::with_capacity(plan.len());
         for (i, spec) in plan.iter().enumerate() {
@@ -706,12 +705,12 @@ impl K3Text {
             layers,
             out_res: AttnRes::load(
                 wl,
-                &WeightLoader::text("model.output_attn_res_norm.weight"),
-                &WeightLoader::text("model.output_attn_res_proj.weight"),
+                &text_tensor("model.output_attn_res_norm.weight"),
+                &text_tensor("model.output_attn_res_proj.weight"),
                 h,
             )?,
-            norm: wl.dense(&WeightLoader::text("model.norm.weight"), &[h])?,
-            lm_head: wl.dense(&WeightLoader::text("lm_head.weight"), &[vocab, h])?,
+            norm: wl.dense(&text_tensor("model.norm.weight"))?,
+            lm_head: wl.dense(&text_tensor("lm_head.weight"))?,
             situ: Situ { beta: c.activation_situ_beta, linear_beta: c.activation_situ_linear_beta },
         })
     }

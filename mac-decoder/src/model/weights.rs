@@ -2,8 +2,10 @@
 //! Non-expert weights: BF16 widened to f32 bit-exactly (F32 tensors as stored); routed
 //! experts: MXFP4 reinterpreted for MLX (see `crate::mlx::quant`), never requantised.
 
+use std::collections::HashMap;
+
 use anyhow::{Context, Result};
-use k3_protocol::tensors::{expert_tensor, layer_tensor, TEXT_PREFIX};
+use k3_protocol::tensors::{expert_tensor, global_text_tensors, layer_dense_tensors, layer_tensor};
 use k3_protocol::Checkpoint;
 use mlx_rs::{Array, Dtype};
 
@@ -16,34 +18,46 @@ pub struct WeightLoader<'a> {
     pub dtype: Dtype,
     /// Bytes loaded so far (for the load log).
     pub bytes: usize,
+    /// The shape of every text tensor but the routed experts, from the one tensor list
+    /// (`k3_protocol::tensors`) for the checkpoint's config.
+    shapes: HashMap<String, Vec<usize>>,
 }
 
 impl<'a> WeightLoader<'a> {
     pub fn new(ck: &'a Checkpoint) -> Self {
-        WeightLoader { ck, dtype: Dtype::Float32, bytes: 0 }
+        Self::with_dtype(ck, Dtype::Float32)
     }
 
     pub fn with_dtype(ck: &'a Checkpoint, dtype: Dtype) -> Self {
-        WeightLoader { ck, dtype, bytes: 0 }
+        let c = &ck.config().text_config;
+        let shapes = global_text_tensors(c)
+            .into_iter()
+            .chain(c.layer_plan().into_iter().flat_map(|spec| layer_dense_tensors(c, spec)))
+            .map(|t| (t.name, t.shape))
+            .collect();
+        WeightLoader { ck, dtype, bytes: 0, shapes }
     }
 
-    /// A full tensor name from its text-tower suffix, e.g. `model.norm.weight`.
-    pub fn text(suffix: &str) -> String {
-        format!("{TEXT_PREFIX}{suffix}")
+    /// The shape the tensor list gives `name`.
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        self.shapes.get(name).cloned().with_context(|| format!("{name} is not a dense text tensor of this model"))
     }
 
-    /// A BF16/F32 tensor as an f32 array, its shape checked against `shape`.
-    pub fn dense_f32(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
-        let v = self.ck.f32(name, shape).with_context(|| format!("loading {name}"))?;
+    /// A BF16/F32 tensor as an f32 array, its shape checked against the tensor list.
+    pub fn dense_f32(&mut self, name: &str) -> Result<Array> {
+        let shape = self.shape(name)?;
+        let v = self.ck.f32(name, &shape).with_context(|| format!("loading {name}"))?;
         self.bytes += v.len() * 4;
-        array_f32(&v, shape, name)
+        array_f32(&v, &shape, name)
     }
 
     /// A tensor in the loader's dtype (BF16 data is taken as is in `Bfloat16` mode).
-    pub fn dense(&mut self, name: &str, shape: &[usize]) -> Result<Array> {
+    pub fn dense(&mut self, name: &str) -> Result<Array> {
         if self.dtype == Dtype::Float32 {
-            return self.dense_f32(name, shape);
+            return self.dense_f32(name);
         }
+        let shape = self.shape(name)?;
+        let shape = &shape[..];
         let v = self.ck.tensor(name).with_context(|| format!("loading {name}"))?;
         if v.shape != shape {
             anyhow::bail!("{name}: shape {:?} in {}, expected {shape:?}", v.shape, v.shard);
@@ -62,13 +76,13 @@ impl<'a> WeightLoader<'a> {
     }
 
     /// `model.layers.{l}.{suffix}` in the loader's dtype.
-    pub fn layer(&mut self, l: usize, suffix: &str, shape: &[usize]) -> Result<Array> {
-        self.dense(&layer_tensor(l, suffix), shape)
+    pub fn layer(&mut self, l: usize, suffix: &str) -> Result<Array> {
+        self.dense(&layer_tensor(l, suffix))
     }
 
     /// `model.layers.{l}.{suffix}` in f32 (conv taps, gates, router: FP32 in the spec).
-    pub fn layer_f32(&mut self, l: usize, suffix: &str, shape: &[usize]) -> Result<Array> {
-        self.dense_f32(&layer_tensor(l, suffix), shape)
+    pub fn layer_f32(&mut self, l: usize, suffix: &str) -> Result<Array> {
+        self.dense_f32(&layer_tensor(l, suffix))
     }
 
     /// The first `n` entries of a padded 1-D tensor (`A_log`).
