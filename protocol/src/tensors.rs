@@ -293,7 +293,7 @@ impl DerivedSizes {
         if let Some(l) = first_moe {
             expert_bytes = layer_tensors(c, l)
                 .iter()
-                .filter(|s| matches!(s.init, Init::Mxfp4Packed | Init::Mxfp4Scale))
+                .filter(|s| s.is_expert())
                 .map(|s| s.nbytes() as u64)
                 .sum();
             per_expert = expert_bytes / c.experts_in_layer(l).max(1) as u64;
