@@ -50,8 +50,8 @@ fn open_fds() -> usize {
 }
 
 /// One line of the drift trace: time, RSS, descriptors, MLX's active and cached memory, and the
-/// decoder's held session state (from its metrics), so that growth can be told apart.
-async fn sample(base: &str, t0: Instant) -> String {
+/// decoder's held session state (from its metrics) and the node's, so that growth can be told apart.
+async fn sample(base: &str, t0: Instant, node: &PrefillNode) -> String {
     let mb = |b: usize| b as f64 / 1e6;
     let active = mlx_rs::memory::active_memory().map_or(f64::NAN, mb);
     let cache = mlx_rs::memory::cache_memory().map_or(f64::NAN, mb);
@@ -62,8 +62,9 @@ async fn sample(base: &str, t0: Instant) -> String {
     let gauge = |name: &str| -> f64 {
         metrics.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
     };
+    let held = node.snapshot().sessions;
     format!(
-        "t {:>4.0} s  RSS {:>4.0} MB  fds {:>3}  MLX active {:>5.1} MB cache {:>5.1} MB  sessions {:>2} ({:.1} MB)",
+        "t {:>4.0} s  RSS {:>4.0} MB  fds {:>3}  MLX active {:>5.1} MB cache {:>5.1} MB  sessions {:>2} ({:.1} MB)  node sessions {:>2} ({:.1} MB)",
         t0.elapsed().as_secs_f64(),
         rss_mb(),
         open_fds(),
@@ -71,6 +72,8 @@ async fn sample(base: &str, t0: Instant) -> String {
         cache,
         gauge("k3_sessions_held"),
         gauge("k3_session_state_bytes") / 1e6,
+        held.sessions,
+        held.bytes as f64 / 1e6,
     )
 }
 
@@ -357,7 +360,7 @@ fn soak_both_servers_under_mixed_load() {
     let mut ccfg = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), fp, "mlx");
     scfg.tuning = soak_tuning();
     ccfg.tuning = soak_tuning();
-    let node = start_node(dir.path(), scfg);
+    let node = Arc::new(start_node(dir.path(), scfg));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let t0 = Instant::now();
     let relay_tally = Arc::new(RelayTally::default());
@@ -370,10 +373,10 @@ fn soak_both_servers_under_mixed_load() {
     // The drift trace: ten samples over the run (every 30 s at most).
     let every = Duration::from_secs((secs / 10).clamp(1, 30));
     let sampler = rt.spawn({
-        let base = base.clone();
+        let (base, node) = (base.clone(), node.clone());
         async move {
             while t0.elapsed() < end {
-                eprintln!("{}", sample(&base, t0).await);
+                eprintln!("{}", sample(&base, t0, &node).await);
                 tokio::time::sleep(every).await;
             }
         }
@@ -406,7 +409,7 @@ fn soak_both_servers_under_mixed_load() {
     // Let the relay close the sockets of decoder endpoints that are gone (a NAT's idle expiry).
     std::thread::sleep(RELAY_IDLE + Duration::from_secs(2));
     sampler.abort();
-    eprintln!("{} (end, after settling)", rt.block_on(sample(&base, t0)));
+    eprintln!("{} (end, after settling)", rt.block_on(sample(&base, t0, &node)));
     let (rss0, fds0) = baseline.lock().unwrap().expect("the warm-up ended");
     let (rss1, fds1) = (rss_mb(), open_fds());
     let snap = node.snapshot();
