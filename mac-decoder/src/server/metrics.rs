@@ -42,6 +42,10 @@ pub struct Metrics {
     pub sessions_evicted: Counter,
     /// Jobs decoding together in the last decode step (continuous batching).
     pub batch_size: Gauge,
+    /// Decode steps run, and the jobs they decoded summed over the steps: their ratio is the
+    /// mean batch (one step decodes one token of every running job).
+    pub decode_steps: Counter,
+    pub decode_step_jobs: Counter,
     /// Jobs waiting in the engine's queue.
     pub queued: Gauge,
     /// Prompt + `max_tokens` of the requests admitted and not finished (bounded by
@@ -80,6 +84,8 @@ impl Metrics {
             session_bytes: Gauge::default(),
             sessions_evicted: Counter::default(),
             batch_size: Gauge::default(),
+            decode_steps: Counter::default(),
+            decode_step_jobs: Counter::default(),
             queued: Gauge::default(),
             tokens_in_flight: Gauge::default(),
             cancelled: Counter::default(),
@@ -114,6 +120,8 @@ impl Metrics {
             r.register("session_state_bytes", "Bytes of held session state", m.session_bytes.clone());
             r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
             r.register("decode_batch_size", "Requests decoding together in the last decode step", m.batch_size.clone());
+            r.register("decode_steps", "Decode steps run (each decodes one token of every running request)", m.decode_steps.clone());
+            r.register("decode_step_requests", "Requests decoded, summed over the decode steps (divided by decode_steps: the mean batch)", m.decode_step_jobs.clone());
             r.register("queued_requests", "Requests waiting for the engine", m.queued.clone());
             r.register(
                 "tokens_in_flight",

@@ -528,6 +528,8 @@ impl<S: 'static> Worker<S> {
     fn step<E: GenerationEngine<Session = S>>(&mut self, engine: &mut E, running: &mut Vec<Running<S>>) {
         let n = running.len();
         self.metrics.batch_size.set(n as i64);
+        self.metrics.decode_steps.inc();
+        self.metrics.decode_step_jobs.inc_by(n as u64);
         let mut sessions: Vec<&mut S> = Vec::with_capacity(n);
         let mut decs: Vec<&mut Decoding<'static>> = Vec::with_capacity(n);
         let mut outs: Vec<(&mpsc::UnboundedSender<GenEvent>, &AtomicBool)> = Vec::with_capacity(n);
