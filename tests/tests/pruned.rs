@@ -13,26 +13,33 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
     d / b.iter().map(|y| y * y).sum::<f32>().sqrt().max(1e-30)
 }
 
-#[test]
-fn both_nodes_load_a_pruned_checkpoint() {
-    let src = synth(31, |o| o.layers = Some(5));
-    let ck = Checkpoint::open(src.path()).unwrap();
-    // Random selection needs no calibration tokens; the statistics only carry the fingerprint.
+/// `ck` (at `dir`) pruned to `keep` experts per layer chosen at random (`seed`), written into a
+/// temporary directory (returned, to keep it alive) at the returned path. Random selection needs
+/// no calibration tokens; the statistics only carry the fingerprint.
+fn prune_randomly(ck: &Checkpoint, dir: &std::path::Path, keep: usize, seed: u64) -> (tempfile::TempDir, std::path::PathBuf) {
     let stats = tempfile::tempdir().unwrap();
     let sp = stats.path().join("stats.json");
     ExpertStats::new(&ck.config().text_config, &ck.fingerprint()).save(&sp).unwrap();
     let out = stats.path().join("pruned");
     pr::run_args(&pr::Args {
-        model: src.path().to_path_buf(),
+        model: dir.to_path_buf(),
         stats: sp,
-        keep: Some(6),
+        keep: Some(keep),
         budget_gb: None,
         mode: pr::Mode::Uniform,
         criterion: Criterion::Random,
-        seed: 3,
+        seed,
         out: out.clone(),
     })
     .unwrap();
+    (stats, out)
+}
+
+#[test]
+fn both_nodes_load_a_pruned_checkpoint() {
+    let src = synth(31, |o| o.layers = Some(5));
+    let ck = Checkpoint::open(src.path()).unwrap();
+    let (_stats, out) = prune_randomly(&ck, src.path(), 6, 3);
     let pruned = Checkpoint::open(&out).unwrap();
     assert_eq!(pruned.config().text_config.num_experts, 6);
     assert_ne!(pruned.fingerprint(), ck.fingerprint());
@@ -65,21 +72,7 @@ fn a_pruned_decoder_uses_full_model_states_only_when_told_to() {
     const GEN: usize = 8;
     let src = synth(32, |o| o.layers = Some(4));
     let ck = Checkpoint::open(src.path()).unwrap();
-    let stats = tempfile::tempdir().unwrap();
-    let sp = stats.path().join("stats.json");
-    ExpertStats::new(&ck.config().text_config, &ck.fingerprint()).save(&sp).unwrap();
-    let out = stats.path().join("pruned");
-    pr::run_args(&pr::Args {
-        model: src.path().to_path_buf(),
-        stats: sp,
-        keep: Some(5),
-        budget_gb: None,
-        mode: pr::Mode::Uniform,
-        criterion: Criterion::Random,
-        seed: 7,
-        out: out.clone(),
-    })
-    .unwrap();
+    let (_stats, out) = prune_randomly(&ck, src.path(), 5, 7);
     let pruned = Checkpoint::open(&out).unwrap();
     let (full_fp, pruned_fp) = (ck.fingerprint(), pruned.fingerprint());
     assert_ne!(full_fp, pruned_fp);
