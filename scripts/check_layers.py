@@ -15,6 +15,8 @@ It then reports
   * upward imports: a file importing a file of a higher layer than its own, against the layer
     order declared in LAYERS below (documented in docs/architecture.md), across crates too
     (protocol < cuda-prefiller, mac-decoder < tests).
+  * docs/architecture.md out of step with the tree: its layer table must be LAYERS, and each
+    crate's `| module | owns |` table must list exactly the modules of that crate's lib.rs.
 Exit status 1 when it finds any, 0 when the workspace is clean.
 
     python3 scripts/check_layers.py            # report, non-zero exit on findings
@@ -57,22 +59,24 @@ LAYERS = {
         [""],
     ],
     "cuda-prefiller": [
-        ["backend", "act", "calibrate", "expert_layout"],
+        ["backend", "act", "calibrate", "expert_layout", "memory_plan", "mx"],
         ["model"],
         ["stream_plan"],
         ["cpu", "cuda"],
         ["executor"],
-        ["streamer"],
+        ["streamer", "source_pace"],
+        ["prefiller"],
         ["server"],
         ["cli"],
         ["", "main"],
     ],
     "mac-decoder": [
-        ["sampler", "tokenizer", "mlx", "distributed", "memory"],
-        ["chat", "model", "generate"],
+        ["sampler", "tokenizer", "mlx", "distributed", "memory", "metrics"],
+        ["chat", "model", "decode_loop"],
         ["ingest", "vision"],
         ["decode"],
         ["remote"],
+        ["engine"],
         ["server"],
         ["cli"],
         ["", "main"],
@@ -421,6 +425,74 @@ def sccs(nodes, edges):
     return out
 
 
+DOC = os.path.join(ROOT, "docs", "architecture.md")
+
+# The section of docs/architecture.md whose `| module | owns |` table lists a crate's modules.
+DOC_SECTIONS = {"protocol": "## protocol/", "cuda-prefiller": "## cuda-prefiller/", "mac-decoder": "## mac-decoder/"}
+
+
+def top_modules(crate):
+    """The modules `src/lib.rs` of a crate declares (`mod x;` / `pub mod x;`, any cfg)."""
+    with open(os.path.join(ROOT, crate, "src", "lib.rs"), encoding="utf-8") as fh:
+        text = strip_comments_and_strings(fh.read())
+    return set(re.findall(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+([a-z_][a-z0-9_]*)\s*;", text, re.M))
+
+
+def check_docs():
+    """docs/architecture.md against the tree: its layer table is LAYERS, and each crate's module
+    table lists exactly the modules that crate's lib.rs declares, each with its file. Returns
+    the findings (lines to print)."""
+    out = []
+    rel = os.path.relpath(DOC, ROOT)
+    with open(DOC, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    seen = set()
+    for n, line in enumerate(lines, 1):
+        m = re.match(r"^\|\s*([a-z-]+)\s*\|(.*)\|\s*$", line)
+        if not m or m.group(1) not in DOC_SECTIONS or "→" not in m.group(2):
+            continue
+        crate = m.group(1)
+        seen.add(crate)
+        name = {"lib.rs": "", "main.rs": "main"}
+        doc = [sorted(name.get(t, t) for t in re.findall(r"`([^`]+)`", g)) for g in m.group(2).split("→")]
+        want = [sorted(g) for g in LAYERS[crate]]
+        if doc != want:
+            out.append(f"docs: {rel}:{n}: the layer table of {crate} differs from LAYERS in scripts/check_layers.py "
+                       f"(docs {doc}, script {want})")
+    for crate in sorted(set(DOC_SECTIONS) - seen):
+        out.append(f"docs: {rel} has no layer table row for {crate}")
+    for crate, head in sorted(DOC_SECTIONS.items()):
+        start = next((i for i, l in enumerate(lines) if l.startswith(head)), None)
+        if start is None:
+            out.append(f"docs: {rel} has no section {head!r}")
+            continue
+        listed = {}
+        in_table = False
+        for i in range(start + 1, len(lines)):
+            l = lines[i]
+            if l.startswith("## "):
+                break
+            if re.match(r"^\|\s*module\s*\|", l):
+                in_table = True
+                continue
+            if in_table and l.startswith("|"):
+                first = l.split("|")[1]
+                for mod in re.findall(r"`([a-z_][a-z0-9_]*)`", first):
+                    listed.setdefault(mod, i + 1)
+            elif in_table and not l.strip():
+                in_table = False
+        actual = top_modules(crate)
+        for mod in sorted(set(listed) - actual):
+            out.append(f"docs: {rel}:{listed[mod]}: module `{mod}` is not a module of {crate} (not in {crate}/src/lib.rs)")
+        for mod in sorted(actual - set(listed)):
+            out.append(f"docs: module `{mod}` of {crate} is missing from the module table of {rel} ({head})")
+        for mod in sorted(actual):
+            src = os.path.join(ROOT, crate, "src")
+            if not (os.path.isfile(os.path.join(src, mod + ".rs")) or os.path.isfile(os.path.join(src, mod, "mod.rs"))):
+                out.append(f"docs: module `{mod}` of {crate} has neither src/{mod}.rs nor src/{mod}/mod.rs")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph", action="store_true", help="print every file's resolved dependencies")
@@ -473,12 +545,17 @@ def main():
                 print(f"upward: {name(k)}:{evidence[(k, t)]} -> {name(t)} "
                       f"(layer {layer_of(src)} imports layer {layer_of(dst)} of {dst.crate})")
 
+    for line in check_docs():
+        findings += 1
+        print(line)
+
     nfiles = len(ws.mods)
     nedges = sum(len(v) for v in edges.values())
     if findings:
         print(f"check_layers: {findings} finding(s) in {nfiles} files, {nedges} file dependencies")
         return 1
-    print(f"check_layers: no import cycle, no upward import ({nfiles} files, {nedges} file dependencies)")
+    print(f"check_layers: no import cycle, no upward import, docs/architecture.md matches the tree "
+          f"({nfiles} files, {nedges} file dependencies)")
     return 0
 
 

@@ -61,13 +61,7 @@ pub struct HostTensor<'a> {
 impl HostTensor<'_> {
     /// An owned F32 tensor from values (e.g. the per-head prefix of `A_log`).
     pub fn from_f32(name: impl Into<String>, rows: usize, cols: usize, data: &[f32]) -> HostTensor<'static> {
-        HostTensor {
-            name: Cow::Owned(name.into()),
-            dtype: DType::F32,
-            rows,
-            cols,
-            bytes: Cow::Owned(bytemuck::cast_slice(data).to_vec()),
-        }
+        HostTensor { name: Cow::Owned(name.into()), dtype: DType::F32, rows, cols, bytes: Cow::Owned(bytemuck::cast_slice(data).to_vec()) }
     }
 
     /// Widens the data to f32 (bit-exact for BF16), checking the byte count.
@@ -79,23 +73,11 @@ impl HostTensor<'_> {
             DType::U8 => anyhow::bail!("tensor {}: U8 data is not a dense BF16/F32 weight", self.name),
         };
         if self.bytes.len() != n * esize {
-            anyhow::bail!(
-                "tensor {}: {} bytes, expected {} for [{}, {}] {}",
-                self.name,
-                self.bytes.len(),
-                n * esize,
-                self.rows,
-                self.cols,
-                self.dtype.name()
-            );
+            anyhow::bail!("tensor {}: {} bytes, expected {} for [{}, {}] {}", self.name, self.bytes.len(), n * esize, self.rows, self.cols, self.dtype.name());
         }
         Ok(match self.dtype {
             DType::F32 => self.bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            _ => self
-                .bytes
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-                .collect(),
+            _ => self.bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect(),
         })
     }
 }
@@ -222,6 +204,21 @@ impl Routing {
     }
 }
 
+/// A download started by [`Backend::download_later`].
+pub trait PendingDownload: Send {
+    /// The buffer's values, row-major (waits for the copy if it is not done yet).
+    fn wait(self: Box<Self>) -> OpResult<Vec<f32>>;
+}
+
+/// A download already done.
+pub struct Downloaded(pub Vec<f32>);
+
+impl PendingDownload for Downloaded {
+    fn wait(self: Box<Self>) -> OpResult<Vec<f32>> {
+        Ok(self.0)
+    }
+}
+
 /// The ops of the K3 text tower. See the module docs for layouts and conventions.
 pub trait Backend: Send + Sync {
     /// Activation buffer, f32 `[rows, cols]`.
@@ -260,6 +257,13 @@ pub trait Backend: Send + Sync {
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> OpResult<Self::Buf>;
     /// Copies a buffer back to the host, row-major.
     fn download(&self, x: &Self::Buf) -> OpResult<Vec<f32>>;
+    /// Starts copying `x` back to the host and returns the copy to be taken later
+    /// ([`PendingDownload::wait`]), so that the caller need not wait for the device now (a
+    /// queueing device copies on its own stream after the work issued so far). The default
+    /// downloads at once.
+    fn download_later(&self, x: Self::Buf) -> OpResult<Box<dyn PendingDownload>> {
+        Ok(Box::new(Downloaded(self.download(&x)?)))
+    }
     /// A zero-filled buffer.
     fn zeros(&self, rows: usize, cols: usize) -> OpResult<Self::Buf>;
     /// Rows `row0 .. row0+n` of `x` as a new buffer.
@@ -294,14 +298,7 @@ pub trait Backend: Send + Sync {
     /// Softmax mix over depth of the candidates `[bank..., p]` (each `[rows, H]`), per row:
     /// `s_i = Σ_d rms(V_i)[d]·w_n[d]·w_p[d]` (eps inside the rms, no 1/√d), `α = softmax(s)`,
     /// output `Σ_i α_i V_i` on the RAW candidates. `norm_w [1, H]`, `proj_w [1, H]`.
-    fn attn_res_mix(
-        &self,
-        bank: &[&Self::Buf],
-        p: &Self::Buf,
-        norm_w: &Self::Weight,
-        proj_w: &Self::Weight,
-        eps: f32,
-    ) -> OpResult<Self::Buf>;
+    fn attn_res_mix(&self, bank: &[&Self::Buf], p: &Self::Buf, norm_w: &Self::Weight, proj_w: &Self::Weight, eps: f32) -> OpResult<Self::Buf>;
 
     // ---- KDA (spec §3.3, §3.4) ----------------------------------------------------------
 
@@ -314,15 +311,7 @@ pub trait Backend: Send + Sync {
     fn l2_norm_heads(&self, x: &mut Self::Buf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()>;
     /// [`Backend::short_conv_silu`] followed by [`Backend::l2_norm_heads`] on its output (the q
     /// and k paths of KDA), as one op so that a backend can do both in one pass over the data.
-    fn short_conv_silu_l2(
-        &self,
-        x: &Self::Buf,
-        w: &Self::Weight,
-        window: &mut Self::Buf,
-        head_dim: usize,
-        eps: f32,
-        scale: f32,
-    ) -> OpResult<Self::Buf> {
+    fn short_conv_silu_l2(&self, x: &Self::Buf, w: &Self::Weight, window: &mut Self::Buf, head_dim: usize, eps: f32, scale: f32) -> OpResult<Self::Buf> {
         let mut y = self.short_conv_silu(x, w, window)?;
         self.l2_norm_heads(&mut y, head_dim, eps, scale)?;
         Ok(y)
@@ -332,14 +321,7 @@ pub trait Backend: Send + Sync {
     /// Kimi-Linear form (`None`): `g = −exp(A_log[h])·softplus(u)`. `a_log [1, heads]` holds ONE
     /// value per head (the checkpoint's `[head_dim]` tensor truncated to `heads`, spec §3.8),
     /// `dt_bias [1, H·D]`.
-    fn kda_gate(
-        &self,
-        z: &Self::Buf,
-        a_log: &Self::Weight,
-        dt_bias: &Self::Weight,
-        dims: KdaDims,
-        lower_bound: Option<f32>,
-    ) -> OpResult<Self::Buf>;
+    fn kda_gate(&self, z: &Self::Buf, a_log: &Self::Weight, dt_bias: &Self::Weight, dims: KdaDims, lower_bound: Option<f32>) -> OpResult<Self::Buf>;
     /// Delta-rule recurrence over the rows of `x`, chunked form (spec §3.4) with chunk length
     /// `chunk` (64; any row count, the last chunk may be partial). `state [H, D·D]` is
     /// `S[h, k, v]`, read as the initial state and overwritten with the final one. Returns
@@ -350,14 +332,7 @@ pub trait Backend: Send + Sync {
     fn kda_recurrent(&self, x: &KdaInputs<'_, Self::Buf>, state: &mut Self::Buf, dims: KdaDims) -> OpResult<Self::Buf>;
     /// KDA output gate + norm, per head: `RMSNorm_D(o_h; eps) ⊙ w ⊙ σ(gate_h)`, `w [1, D]`
     /// shared by all heads; `o, gate: [rows, H·D]`.
-    fn gated_rms_norm(
-        &self,
-        o: &Self::Buf,
-        gate: &Self::Buf,
-        w: &Self::Weight,
-        head_dim: usize,
-        eps: f32,
-    ) -> OpResult<Self::Buf>;
+    fn gated_rms_norm(&self, o: &Self::Buf, gate: &Self::Buf, w: &Self::Weight, head_dim: usize, eps: f32) -> OpResult<Self::Buf>;
 
     // ---- MLA (spec §3.5) ----------------------------------------------------------------
 
@@ -371,40 +346,18 @@ pub trait Backend: Send + Sync {
     /// kv_lora]` (per head `[k_nope rows ; v rows]`). Score scale `1/sqrt(nope+rope)`, FP32
     /// softmax. Returns `[rows, heads·v]` (before the output gate). `form` chooses how to
     /// evaluate; both must agree.
-    #[allow(clippy::too_many_arguments)]
-    fn mla_attention(
-        &self,
-        q: &Self::Buf,
-        cache: &Self::Buf,
-        kv_b: &Self::Weight,
-        dims: MlaDims,
-        pos0: usize,
-        form: MlaForm,
-    ) -> OpResult<Self::Buf>;
+    fn mla_attention(&self, q: &Self::Buf, cache: &Self::Buf, kv_b: &Self::Weight, dims: MlaDims, pos0: usize, form: MlaForm) -> OpResult<Self::Buf>;
 
     // ---- latent MoE (spec §3.6) ---------------------------------------------------------
 
     /// Router from `logits = W_r x` (`[rows, E]`, f32): `s = σ(logits)`, select top-k of
     /// `s + bias` (`bias [1, E]`, selection only; ties: lower index wins), weights = unbiased
     /// `s` of the selected, divided by `(Σ + 1e-20)` when `renormalize`, times `scaling`.
-    fn route(
-        &self,
-        logits: &Self::Buf,
-        bias: &Self::Weight,
-        top_k: usize,
-        renormalize: bool,
-        scaling: f32,
-    ) -> OpResult<Routing>;
+    fn route(&self, logits: &Self::Buf, bias: &Self::Weight, top_k: usize, renormalize: bool, scaling: f32) -> OpResult<Routing>;
     /// Grouped MXFP4 expert MLPs in the latent space: for each row `t`,
     /// `Σ_j weights[t,j] · W2_e · SiTU(W1_e x_t, W3_e x_t)`, `e = ids[t,j]`, accumulated in
     /// f32. `x_lat [rows, latent]` → `[rows, latent]`.
-    fn moe_experts(
-        &self,
-        x_lat: &Self::Buf,
-        routing: &Routing,
-        experts: &Self::Experts,
-        betas: SituBetas,
-    ) -> OpResult<Self::Buf>;
+    fn moe_experts(&self, x_lat: &Self::Buf, routing: &Routing, experts: &Self::Experts, betas: SituBetas) -> OpResult<Self::Buf>;
 
     /// [`Backend::moe_experts`] of several inputs (the token chunks of one layer) over the same
     /// experts, with the same results; a backend may share work between them (the CUDA dense

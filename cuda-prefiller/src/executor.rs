@@ -63,9 +63,54 @@ pub struct ExecOptions {
     /// Keep each chunk's residual (bank + `P`) on the host between layers, uploading it for
     /// the chunk's turn (bounds backend memory to about one chunk's residual).
     pub park_on_host: bool,
+    /// Tokens per routed-expert window of a latent-MoE layer: the pass's token chunks (of every
+    /// request, in order) go through the experts in windows of at most this many tokens (at
+    /// least one chunk each), fronts then experts then backs per window, so that the chunks'
+    /// middles and the routed rows held at once stay bounded ([`crate::memory_plan`]). `None`:
+    /// one window for the whole pass (one chunk per window with `park_on_host`). Routed experts
+    /// are position-wise: the results do not depend on it.
+    pub expert_window_tokens: Option<usize>,
     /// Calibration: sees every latent-MoE layer's routing and per-slot expert output norms
     /// (`k3-prefill calibrate`, [`crate::calibrate`]); the results are unchanged.
     pub moe_observer: Option<MoeObserverRef>,
+    /// Asked before each token chunk of each layer (and, on a synchronous backend, before each
+    /// chunk's routed experts) whether request `i` of the pass is cancelled: a cancelled request
+    /// drops out of the pass at once with [`Cancelled`], its state untouched, instead of at the
+    /// end of the layer (a layer of a long prompt takes minutes on a slow backend).
+    pub cancel: Option<CancelRef>,
+}
+
+/// Whether request `i` of a pass has been cancelled ([`ExecOptions::cancel`]).
+#[derive(Clone)]
+pub struct CancelRef(pub Arc<dyn Fn(usize) -> bool + Send + Sync>);
+
+impl CancelRef {
+    fn cancelled(&self, i: usize) -> bool {
+        (self.0)(i)
+    }
+}
+
+impl std::fmt::Debug for CancelRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CancelRef")
+    }
+}
+
+impl PartialEq for CancelRef {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
+    }
+}
+
+/// Why a request left a pass early through [`ExecOptions::cancel`]: where it stopped, and how
+/// much of that layer's chunk work had run (`done` of `of` token chunks' fronts or wholes; the
+/// routed experts count per chunk as well).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cancelled in layer {layer} after {done} of its {of} token-chunk steps")]
+pub struct Cancelled {
+    pub layer: usize,
+    pub done: usize,
+    pub of: usize,
 }
 
 impl Default for ExecOptions {
@@ -77,8 +122,21 @@ impl Default for ExecOptions {
             logits: LogitsRows::All,
             trace_last: false,
             park_on_host: false,
+            expert_window_tokens: None,
             moe_observer: None,
+            cancel: None,
         }
+    }
+}
+
+impl ExecOptions {
+    /// These options under a pass's memory plan: its chunk, its expert windows and the bank's
+    /// place (parked on the host between layers when the plan puts it there).
+    pub fn following(mut self, plan: &crate::memory_plan::MemoryPlan) -> Self {
+        self.chunk_tokens = plan.chunk_tokens;
+        self.expert_window_tokens = Some(plan.window_tokens);
+        self.park_on_host = plan.bank == crate::memory_plan::Placement::Host;
+        self
     }
 }
 
@@ -356,7 +414,13 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
 }
 
 /// Adds the FFN output `m` of one chunk into its residual and stores the residual back in `ch`.
-fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid: Mid<B>, m: B::Buf, mut trace: Option<&mut HiddenTrace>) -> anyhow::Result<()> {
+fn finish_chunk<B: Backend>(
+    cx: &LayerCtx<'_, B>,
+    ch: &mut ChunkResidual<B>,
+    mid: Mid<B>,
+    m: B::Buf,
+    mut trace: Option<&mut HiddenTrace>,
+) -> anyhow::Result<()> {
     let b = cx.b;
     let Mid { mut p_now, mut new_bank, x2 } = mid;
     drop(x2);
@@ -381,8 +445,9 @@ fn finish_chunk<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, mid
 
 /// Prefills `input` on top of `state` through every layer, taking each layer's weights from
 /// `feed`; `state` is updated only when the whole call succeeds (an error leaves it as it was).
-/// `on_layer` sees each layer's new state as soon as the layer is done; an error it returns
-/// aborts the call. A weight pass of one request ([`prefill_many_with`]).
+/// `on_layer` sees each layer's new state in layer order, once the next layer's work is issued
+/// (its download overlaps that layer; the last one's after the output head); an error it
+/// returns aborts the call. A weight pass of one request ([`prefill_many_with`]).
 pub fn prefill_with<B: Backend>(
     model: &Model<B>,
     feed: &mut dyn WeightFeed<B>,
@@ -414,10 +479,42 @@ struct InPass<B: Backend> {
     topk_gap: Vec<(usize, Vec<f32>)>,
     /// Wall seconds spent on each chunk so far.
     chunk_s: Vec<f64>,
+    /// The hand-off state of the last layer done, on its way to the host (layer, state).
+    handoff: Option<(usize, PendingState)>,
+    /// Values per MLA latent row.
+    mla_width: usize,
+    /// Token-chunk steps of the current layer: (done, planned) ([`Cancelled`]).
+    steps: (usize, usize),
+}
+
+/// A layer's new hand-off state on its way to the host ([`Backend::download_later`]).
+enum PendingState {
+    Kda(crate::model::kda::PendingKdaState),
+    Mla(Box<dyn crate::backend::PendingDownload>),
+}
+
+/// Takes request `i`'s pending hand-off state (if any) and hands it to `on_layer`.
+fn finish_handoff<B: Backend>(r: &mut InPass<B>, i: usize, on_layer: &mut impl FnMut(usize, LayerEvent<'_>) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let Some((l, p)) = r.handoff.take() else { return Ok(()) };
+    let layer_state = match p {
+        PendingState::Kda(k) => LayerState::Kda(k.wait().with_context(|| format!("layer {l}: hand-off state download"))?),
+        PendingState::Mla(m) => {
+            LayerState::Mla(MlaState { width: r.mla_width, latent: m.wait().with_context(|| format!("layer {l}: hand-off state download"))? })
+        }
+    };
+    on_layer(i, LayerEvent { layer: l, base_tokens: r.base, new_tokens: r.n, state: &layer_state }).with_context(|| format!("layer {l}: hand-off callback"))?;
+    r.new_layers.push(layer_state);
+    Ok(())
 }
 
 /// A request's residual chunks, built from its embeddings (checks the ids and the overrides).
-fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state: &HandoffState, input: PrefillInput<'_>, opts: &ExecOptions) -> anyhow::Result<InPass<B>> {
+fn enter_pass<B: Backend>(
+    model: &Model<B>,
+    feed: &mut dyn WeightFeed<B>,
+    state: &HandoffState,
+    input: PrefillInput<'_>,
+    opts: &ExecOptions,
+) -> anyhow::Result<InPass<B>> {
     let b = &*model.backend;
     let d = &model.dims;
     let h = d.hidden;
@@ -435,12 +532,7 @@ fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state:
     let host_embeddings = |input: &PrefillInput<'_>| -> anyhow::Result<Vec<f32>> {
         let mut emb = embed_parallel(model, input.tokens)?;
         if let Some(ov) = input.overrides {
-            ensure!(
-                ov.rows.len() == ov.positions.len() * h,
-                "embedding overrides: {} values for {} positions of width {h}",
-                ov.rows.len(),
-                ov.positions.len()
-            );
+            ensure!(ov.rows.len() == ov.positions.len() * h, "embedding overrides: {} values for {} positions of width {h}", ov.rows.len(), ov.positions.len());
             let mut seen = vec![false; n];
             for (i, &pos) in ov.positions.iter().enumerate() {
                 ensure!(pos < n, "embedding override for position {pos}, but only {n} new tokens");
@@ -495,6 +587,9 @@ fn enter_pass<B: Backend>(model: &Model<B>, feed: &mut dyn WeightFeed<B>, state:
         trace,
         new_layers: Vec::with_capacity(model.plan.len()),
         topk_gap: Vec::new(),
+        handoff: None,
+        mla_width: d.mla.latent(),
+        steps: (0, 0),
     })
 }
 
@@ -601,34 +696,47 @@ pub fn prefill_many_with<B: Backend>(
         pass[i] = None;
         errors[i] = Some(e);
     }
-    // Runs `step(cx, chunk, trace)` over request `i`'s token chunks in order (the trace with the
-    // last chunk only), adding each chunk's wall time to the request. The first error drops the
-    // request out of the pass: then, as for a request no longer in the pass, `false`.
+    // Runs `step(cx, chunk, trace)` over request `i`'s token chunks `cr` in order (the trace
+    // with the request's last chunk only), adding each chunk's wall time to the request. The
+    // first error drops the request out of the pass: then, as for a request no longer in the
+    // pass, `false`.
+    // A cancelled request (`cancel`) stops before its next chunk with [`Cancelled`].
     fn each_chunk<'a, B: Backend + 'a>(
         pass: &mut [Option<InPass<B>>],
         errors: &mut [Option<anyhow::Error>],
         i: usize,
+        cr: std::ops::Range<usize>,
+        cancel: Option<&CancelRef>,
         cx_of: &impl Fn(&InPass<B>) -> LayerCtx<'a, B>,
         mut step: impl FnMut(&LayerCtx<'a, B>, &mut ChunkResidual<B>, Option<&mut HiddenTrace>) -> anyhow::Result<()>,
     ) -> bool {
         let Some(r) = pass[i].as_mut() else { return false };
         let cx = cx_of(r);
         let nchunks = r.chunks.len();
-        let InPass { chunks, trace, chunk_s, .. } = r;
-        let res = chunks.iter_mut().enumerate().try_for_each(|(ci, ch)| {
+        let InPass { chunks, trace, chunk_s, steps, .. } = r;
+        let res = chunks.iter_mut().enumerate().skip(cr.start).take(cr.end.saturating_sub(cr.start)).try_for_each(|(ci, ch)| {
+            if cancel.is_some_and(|c| c.cancelled(i)) {
+                return Err(anyhow::Error::new(Cancelled { layer: cx.l, done: steps.0, of: steps.1 }));
+            }
             let tc = Instant::now();
             step(&cx, ch, trace.as_mut().filter(|_| ci + 1 == nchunks))?;
             chunk_s[ci] += tc.elapsed().as_secs_f64();
+            steps.0 += 1;
             anyhow::Ok(())
         });
         match res {
             Ok(()) => true,
             Err(e) => {
-                drop_out(pass, errors, i, e.context(format!("layer {}", cx.l)));
+                let e = if e.is::<Cancelled>() { e } else { e.context(format!("layer {}", cx.l)) };
+                drop_out(pass, errors, i, e);
                 false
             }
         }
     }
+    // The expert windows of the pass, fixed at its start from the requests' lengths (a request
+    // that drops out leaves its chunks' places empty, so a streamed layer's experts still come
+    // once per window).
+    let windows = expert_windows(&reqs.iter().map(|r| r.input.tokens.len()).collect::<Vec<_>>(), opts);
 
     for (l, spec) in model.plan.iter().enumerate() {
         if pass.iter().all(Option::is_none) {
@@ -645,17 +753,7 @@ pub fn prefill_many_with<B: Backend>(
             true => ((2 * l) % d.block == 0, (2 * l + 1) % d.block == 0),
             false => (bank_before_attn, bank_before_mlp),
         };
-        let cx_of = |r: &InPass<B>| LayerCtx {
-            b,
-            d,
-            w: &w,
-            l,
-            bank_before_attn,
-            bank_before_mlp,
-            kda_form: r.kda_form,
-            mla_form: r.mla_form,
-            park,
-        };
+        let cx_of = |r: &InPass<B>| LayerCtx { b, d, w: &w, l, bank_before_attn, bank_before_mlp, kda_form: r.kda_form, mla_form: r.mla_form, park };
 
         let mut caches: Vec<Option<Cache<B>>> = Vec::with_capacity(pass.len());
         for i in 0..pass.len() {
@@ -673,80 +771,162 @@ pub fn prefill_many_with<B: Backend>(
         }
         let mut gaps: Vec<Vec<f32>> = vec![Vec::new(); pass.len()];
         let total_chunks: usize = pass.iter().flatten().map(|r| r.chunks.len()).sum();
+        let windowed = matches!(&w.ffn, FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (total_chunks > 1 && windows.len() < total_chunks) || opts.moe_observer.is_some());
+        // With a cancel check on a synchronous backend, resident routed experts run one token
+        // chunk at a time (what the backend's default `moe_experts_many` does), so that a
+        // cancel is seen between chunks there too.
+        let cancel = opts.cancel.as_ref();
+        let experts_per_chunk = windowed
+            && cancel.is_some()
+            && b.synchronous()
+            && opts.moe_observer.is_none()
+            && matches!(&w.ffn, FfnWeights::LatentMoe(mw) if mw.experts.is_some());
+        for r in pass.iter_mut().flatten() {
+            let per_chunk = if experts_per_chunk {
+                3
+            } else if windowed {
+                2
+            } else {
+                1
+            };
+            r.steps = (0, per_chunk * r.chunks.len());
+        }
         match &w.ffn {
-            FfnWeights::LatentMoe(mw) if mw.experts.is_none() || (total_chunks > 1 && !opts.park_on_host) || opts.moe_observer.is_some() => {
-                // Every token chunk's front first (of every request), then the routed experts of
-                // all chunks, then the backs: streamed experts come in chunks, each over all token
-                // chunks (they cross PCIe once per pass); resident ones run once over all token
-                // chunks (a backend may share work between chunks: the CUDA dense path
+            FfnWeights::LatentMoe(mw) if windowed => {
+                // Per expert window (consecutive token chunks of the pass, every request's in
+                // order): every chunk's front first, then the routed experts of the window's
+                // chunks, then the backs. Streamed experts come in chunks, each over all the
+                // window's token chunks (they cross PCIe once per window); resident ones run once
+                // over the window (a backend may share work between chunks: the CUDA dense path
                 // dequantises each expert group once). Routed experts are position-wise, so the
-                // results equal chunk-by-chunk order.
-                let mut mids: Vec<Vec<Mid<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
-                let mut fronts: Vec<Vec<crate::model::ffn::MoeFront<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
-                for i in 0..pass.len() {
-                    let Some(cache) = caches[i].as_mut() else { continue };
-                    let (gaps_i, mids_i, fronts_i) = (&mut gaps[i], &mut mids[i], &mut fronts[i]);
-                    let ok = each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, trace| {
-                        let mid = attn_half(cx, ch, cache, trace)?;
-                        let f = latent_moe_front(b, mw, &mid.x2, d)?;
-                        gaps_i.extend_from_slice(&f.routing.gap);
-                        mids_i.push(mid);
-                        fronts_i.push(f);
-                        Ok(())
-                    });
-                    if !ok {
+                // results equal chunk-by-chunk order whatever the windows.
+                for win in &windows {
+                    let mut mids: Vec<Vec<Mid<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
+                    let mut fronts: Vec<Vec<crate::model::ffn::MoeFront<B>>> = (0..pass.len()).map(|_| Vec::new()).collect();
+                    for &(i, c0, c1) in win {
+                        let Some(cache) = caches[i].as_mut() else { continue };
+                        let (gaps_i, mids_i, fronts_i) = (&mut gaps[i], &mut mids[i], &mut fronts[i]);
+                        let ok = each_chunk(&mut pass, &mut errors, i, c0..c1, cancel, &cx_of, |cx, ch, trace| {
+                            let mid = attn_half(cx, ch, cache, trace)?;
+                            let f = latent_moe_front(b, mw, &mid.x2, d)?;
+                            gaps_i.extend_from_slice(&f.routing.gap);
+                            mids_i.push(mid);
+                            fronts_i.push(f);
+                            Ok(())
+                        });
+                        if !ok {
+                            mids[i].clear();
+                            fronts[i].clear();
+                        }
+                    }
+                    // a request that dropped out in this window: none of its chunks go on
+                    for i in 0..pass.len() {
+                        if pass[i].is_none() {
+                            mids[i].clear();
+                            fronts[i].clear();
+                        }
+                    }
+                    let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().flatten().map(|f| (&f.x_lat, &f.routing)).collect();
+                    let n_inputs = inputs.len();
+                    // Calibration: one more input per chunk, the per-slot flattened one (same pass).
+                    let slots = match &opts.moe_observer {
+                        Some(_) => {
+                            fronts.iter().flatten().map(|f| crate::calibrate::slot_inputs(b, &f.x_lat, &f.routing)).collect::<anyhow::Result<Vec<_>>>()?
+                        }
+                        None => Vec::new(),
+                    };
+                    inputs.extend(slots.iter().map(|(x, r)| (x, r)));
+                    let te = Instant::now();
+                    // requests cancelled during the routed experts (their outputs are left out)
+                    let mut cancelled_here: Vec<(usize, Cancelled)> = Vec::new();
+                    let mut outs = match &mw.experts {
+                        Some(_) if inputs.is_empty() => Ok(Vec::new()),
+                        Some(ex) if experts_per_chunk => {
+                            let mut all = Vec::with_capacity(inputs.len());
+                            let mut k = 0;
+                            for (i, f) in fronts.iter().enumerate() {
+                                let mine = &inputs[k..k + f.len()];
+                                k += f.len();
+                                let mut got = Vec::with_capacity(mine.len());
+                                for inp in mine {
+                                    let Some(r) = pass[i].as_mut() else { break };
+                                    if cancel.is_some_and(|c| c.cancelled(i)) {
+                                        cancelled_here.push((i, Cancelled { layer: l, done: r.steps.0, of: r.steps.1 }));
+                                        break;
+                                    }
+                                    got.extend(
+                                        b.moe_experts_many(std::slice::from_ref(inp), ex, d.situ).with_context(|| format!("layer {l}: routed experts"))?,
+                                    );
+                                    r.steps.0 += 1;
+                                }
+                                if got.len() == mine.len() {
+                                    all.extend(got);
+                                }
+                            }
+                            Ok(all)
+                        }
+                        Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
+                        None => feed.experts_in_chunks(model, l, &inputs),
+                    }
+                    .with_context(|| format!("layer {l}: routed experts"))?;
+                    let left_out: usize = cancelled_here.iter().map(|(i, _)| fronts[*i].len()).sum();
+                    ensure!(
+                        outs.len() + left_out == inputs.len(),
+                        "layer {l}: the weight feed returned {} expert outputs for {} inputs",
+                        outs.len(),
+                        inputs.len() - left_out
+                    );
+                    if let Some(obs) = &opts.moe_observer {
+                        for (f, y) in fronts.iter().flatten().zip(outs.split_off(n_inputs)) {
+                            obs.0.observe(l, &f.routing, &crate::calibrate::slot_norms(b, &y)?).with_context(|| format!("layer {l}: MoE observer"))?;
+                        }
+                    }
+                    drop(inputs);
+                    drop(slots);
+                    let mut counts: Vec<usize> = fronts.iter().map(Vec::len).collect();
+                    drop(fronts);
+                    for (i, c) in cancelled_here {
+                        counts[i] = 0;
                         mids[i].clear();
-                        fronts[i].clear();
+                        drop_out(&mut pass, &mut errors, i, anyhow::Error::new(c));
                     }
-                }
-                let mut inputs: Vec<(&B::Buf, &Routing)> = fronts.iter().flatten().map(|f| (&f.x_lat, &f.routing)).collect();
-                let n_inputs = inputs.len();
-                // Calibration: one more input per chunk, the per-slot flattened one (same pass).
-                let slots = match &opts.moe_observer {
-                    Some(_) => fronts.iter().flatten().map(|f| crate::calibrate::slot_inputs(b, &f.x_lat, &f.routing)).collect::<anyhow::Result<Vec<_>>>()?,
-                    None => Vec::new(),
-                };
-                inputs.extend(slots.iter().map(|(x, r)| (x, r)));
-                let te = Instant::now();
-                let mut outs = match &mw.experts {
-                    Some(ex) => b.moe_experts_many(&inputs, ex, d.situ),
-                    None => feed.experts_in_chunks(model, l, &inputs),
-                }
-                .with_context(|| format!("layer {l}: routed experts"))?;
-                ensure!(outs.len() == inputs.len(), "layer {l}: the weight feed returned {} expert outputs for {} inputs", outs.len(), inputs.len());
-                if let Some(obs) = &opts.moe_observer {
-                    for (f, y) in fronts.iter().flatten().zip(outs.split_off(n_inputs)) {
-                        obs.0.observe(l, &f.routing, &crate::calibrate::slot_norms(b, &y)?).with_context(|| format!("layer {l}: MoE observer"))?;
+                    // The experts' time, shared by the window's rows.
+                    let expert_s = te.elapsed().as_secs_f64();
+                    let rows_all: usize = win
+                        .iter()
+                        .filter(|w| pass[w.0].is_some())
+                        .map(|&(i, c0, c1)| pass[i].as_ref().map_or(0, |r| r.chunks[c0..c1].iter().map(|c| c.rows).sum::<usize>()))
+                        .sum();
+                    for &(i, c0, c1) in win {
+                        let Some(r) = pass[i].as_mut() else { continue };
+                        for ci in c0..c1 {
+                            r.chunk_s[ci] += expert_s * r.chunks[ci].rows as f64 / rows_all.max(1) as f64;
+                        }
                     }
-                }
-                drop(inputs);
-                drop(slots);
-                let counts: Vec<usize> = fronts.iter().map(Vec::len).collect();
-                drop(fronts);
-                // The experts' time, shared by rows.
-                let expert_s = te.elapsed().as_secs_f64();
-                let rows_all: usize = pass.iter().flatten().map(|r| r.chunks.iter().map(|c| c.rows).sum::<usize>()).sum();
-                for r in pass.iter_mut().flatten() {
-                    for (t, c) in r.chunk_s.iter_mut().zip(&r.chunks) {
-                        *t += expert_s * c.rows as f64 / rows_all.max(1) as f64;
+                    let mut outs = outs.into_iter();
+                    let mut mids: Vec<std::vec::IntoIter<Mid<B>>> = mids.into_iter().map(Vec::into_iter).collect();
+                    let mut youts: Vec<std::vec::IntoIter<B::Buf>> = counts.iter().map(|&n| outs.by_ref().take(n).collect::<Vec<_>>().into_iter()).collect();
+                    for &(i, c0, c1) in win {
+                        if counts[i] == 0 {
+                            continue;
+                        }
+                        // one front, hence one middle and one expert output, per chunk of the window
+                        let (mids_i, youts_i) = (&mut mids[i], &mut youts[i]);
+                        each_chunk(&mut pass, &mut errors, i, c0..c1, cancel, &cx_of, |cx, ch, trace| {
+                            let mid = mids_i.next().context("a chunk without a middle")?;
+                            let y = youts_i.next().context("a chunk without routed-expert output")?;
+                            let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
+                            finish_chunk(cx, ch, mid, m, trace)
+                        });
                     }
-                }
-                let mut outs = outs.into_iter();
-                for (i, mids_i) in mids.into_iter().enumerate() {
-                    // one front, hence one middle and one expert output, per chunk of the request
-                    let mut mids_outs = mids_i.into_iter().zip(outs.by_ref().take(counts[i]).collect::<Vec<_>>());
-                    each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, trace| {
-                        let (mid, y) = mids_outs.next().context("a chunk without routed-expert output")?;
-                        let m = latent_moe_back(b, mw, &mid.x2, y, d)?;
-                        finish_chunk(cx, ch, mid, m, trace)
-                    });
                 }
             }
             ffn => {
                 for i in 0..pass.len() {
                     let Some(cache) = caches[i].as_mut() else { continue };
                     let gaps_i = &mut gaps[i];
-                    each_chunk(&mut pass, &mut errors, i, &cx_of, |cx, ch, mut trace| {
+                    let nc = pass[i].as_ref().map_or(0, |r| r.chunks.len());
+                    each_chunk(&mut pass, &mut errors, i, 0..nc, cancel, &cx_of, |cx, ch, mut trace| {
                         let mid = attn_half(cx, ch, cache, trace.as_deref_mut())?;
                         let m = match ffn {
                             FfnWeights::Dense(mw) => mlp_forward(b, mw, &mid.x2, d)?,
@@ -769,18 +949,17 @@ pub fn prefill_many_with<B: Backend>(
                 r.topk_gap.push((l, std::mem::take(&mut gaps[i])));
             }
             let (base, n) = (r.base, r.n);
-            let res = (|| -> anyhow::Result<LayerState> {
-                let layer_state = match cache {
-                    Cache::Kda(kc) => LayerState::Kda(kc.download(b, d)?),
-                    Cache::Mla(mc) => LayerState::Mla(MlaState { width: d.mla.latent(), latent: b.download(&b.slice_rows(&mc.latent, base, n)?)? }),
-                };
-                on_layer(i, LayerEvent { layer: l, base_tokens: base, new_tokens: n, state: &layer_state })
-                    .with_context(|| format!("layer {l}: hand-off callback"))?;
-                Ok(layer_state)
-            })();
-            match res {
-                Ok(s) => r.new_layers.push(s),
-                Err(e) => drop_out(&mut pass, &mut errors, i, e),
+            // The previous layer's hand-off state, whose download was started a layer ago (the
+            // host did not wait for the device to reach it), then this layer's download started.
+            let res = finish_handoff(r, i, &mut on_layer).and_then(|()| {
+                r.handoff = Some(match cache {
+                    Cache::Kda(kc) => (l, PendingState::Kda(kc.download_later(b, d)?)),
+                    Cache::Mla(mc) => (l, PendingState::Mla(b.download_later(b.slice_rows(&mc.latent, base, n)?)?)),
+                });
+                Ok(())
+            });
+            if let Err(e) = res {
+                drop_out(&mut pass, &mut errors, i, e);
             }
         }
         tracing::debug!(l, "layer done");
@@ -800,6 +979,14 @@ pub fn prefill_many_with<B: Backend>(
                 }
                 Err(e) => drop_out(&mut pass, &mut errors, i, e.context("output head")),
             }
+        }
+    }
+
+    // The last layer's hand-off states.
+    for i in 0..pass.len() {
+        let Some(r) = pass[i].as_mut() else { continue };
+        if let Err(e) = finish_handoff(r, i, &mut on_layer) {
+            drop_out(&mut pass, &mut errors, i, e);
         }
     }
 
@@ -852,7 +1039,6 @@ pub fn decode_step<B: Backend>(model: &Model<B>, state: &mut HandoffState, token
     Ok(prefill(model, state, PrefillInput::tokens(&[token]), &opts, |_| Ok(()))?.logits)
 }
 
-
 /// Greedy continuation: `first` is fed, then each argmax, for `steps` tokens in all; returns
 /// the fed tokens and the logits after each.
 pub fn greedy<B: Backend>(model: &Model<B>, state: &mut HandoffState, first: u32, steps: usize) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
@@ -866,6 +1052,19 @@ pub fn greedy<B: Backend>(model: &Model<B>, state: &mut HandoffState, first: u32
         all.push(lg);
     }
     Ok((tokens, all))
+}
+
+/// The routed-expert windows of a pass of requests of `new_tokens` each under `opts`
+/// ([`ExecOptions::expert_window_tokens`]): `(request, first chunk, end chunk)` lists, in order.
+/// The weight feed streams a layer's experts once per window.
+pub fn expert_windows(new_tokens: &[usize], opts: &ExecOptions) -> Vec<Vec<(usize, usize, usize)>> {
+    let rows: Vec<Vec<usize>> = new_tokens.iter().map(|&n| crate::memory_plan::chunk_rows(n, opts.chunk_tokens)).collect();
+    let w = match opts.expert_window_tokens {
+        Some(w) => w,
+        None if opts.park_on_host => 1,
+        None => usize::MAX,
+    };
+    crate::memory_plan::windows_of(&rows, w)
 }
 
 /// Bytes a request of `n` new tokens after `base` holds during a weight pass besides the

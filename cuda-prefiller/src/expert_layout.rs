@@ -33,7 +33,7 @@ fn align(x: usize, a: usize) -> usize {
 
 impl ExpertLayout {
     pub fn new(inter: usize, latent: usize) -> Result<Self> {
-        ensure!(inter % 32 == 0 && latent % 32 == 0, "expert widths {inter}/{latent} must be multiples of 32 (MXFP4 groups)");
+        ensure!(inter.is_multiple_of(32) && latent.is_multiple_of(32), "expert widths {inter}/{latent} must be multiples of 32 (MXFP4 groups)");
         let up = inter * latent / 2; // packed bytes of one [inter, latent] matrix
         let us = inter * latent / 32;
         let mut off = 0;

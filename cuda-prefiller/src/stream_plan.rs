@@ -174,7 +174,13 @@ impl StreamPlan {
             let numel: usize = e.shape.iter().product();
             let want = t.rows * t.cols;
             if t.prefix {
-                ensure!(e.shape.len() == 1 && numel >= want, "tensor {} in {}: shape {:?} holds fewer than {want} entries", t.name, ck.shard_name(e.shard), e.shape);
+                ensure!(
+                    e.shape.len() == 1 && numel >= want,
+                    "tensor {} in {}: shape {:?} holds fewer than {want} entries",
+                    t.name,
+                    ck.shard_name(e.shard),
+                    e.shape
+                );
             } else {
                 ensure!(numel == want, "tensor {} in {}: shape {:?} does not hold [{}, {}]", t.name, ck.shard_name(e.shard), e.shape, t.rows, t.cols);
             }
@@ -215,7 +221,10 @@ impl StreamPlan {
         let dense_layer = layers.iter().max_by_key(|l| l.dense_bytes).expect("non-empty");
         let dense_max = dense_layer.dense_bytes;
         let max_experts = layers.iter().map(|l| l.experts.len()).max().unwrap_or(0);
-        let whole = budget.is_none_or(|b| 2 * whole_max <= b) && max_chunk.is_none_or(|c| c >= max_experts);
+        // An explicit expert chunk (`--expert-chunk`) always sends the experts apart from the dense
+        // tensors, also when it holds all of a layer's: a MoE layer's attention then starts once
+        // its dense tensors are in, while its experts are still on the way.
+        let whole = budget.is_none_or(|b| 2 * whole_max <= b) && (max_chunk.is_none() || max_experts == 0);
         let (dense_slot, expert_slot, chunk) = if whole {
             (whole_max, 0, max_experts)
         } else {
@@ -247,18 +256,49 @@ impl StreamPlan {
             let chunk = ((b - 2 * dense_max) / (2 * stride)).min(max_experts).min(max_chunk.unwrap_or(usize::MAX));
             (dense_max, chunk * stride, chunk)
         };
+        let mut p = StreamPlan {
+            layers,
+            expert_layout,
+            whole_layers: whole,
+            dense_slot,
+            expert_slot,
+            chunk,
+            units: Vec::new(),
+            slot: Vec::new(),
+            prev_in_slot: Vec::new(),
+        };
+        p.order_units(1);
+        Ok(p)
+    }
+
+    /// The same plan for a pass whose latent-MoE layers take their routed experts in `passes`
+    /// windows (the executor's expert windows of the memory plan): with experts in chunks,
+    /// each layer's expert units come `passes` times in a row (the weight bytes of a window are
+    /// the layer's experts again); with whole layers the experts stay in the layer's slot and
+    /// nothing changes.
+    pub fn with_expert_passes(&self, passes: usize) -> StreamPlan {
+        let mut p = self.clone();
+        p.order_units(passes.max(1));
+        p
+    }
+
+    /// The units in transfer order (each layer's expert chunks `passes` times) and their slots.
+    fn order_units(&mut self, passes: usize) {
+        let (whole, chunk) = (self.whole_layers, self.chunk);
         let mut units = Vec::new();
-        for l in &layers {
+        for l in &self.layers {
             if whole || l.experts.is_empty() {
                 units.push(Unit::Dense { layer: l.layer, with_experts: !l.experts.is_empty() });
                 continue;
             }
             units.push(Unit::Dense { layer: l.layer, with_experts: false });
-            let mut lo = 0;
-            while lo < l.experts.len() {
-                let hi = (lo + chunk).min(l.experts.len());
-                units.push(Unit::Experts { layer: l.layer, lo, hi });
-                lo = hi;
+            for _ in 0..passes {
+                let mut lo = 0;
+                while lo < l.experts.len() {
+                    let hi = (lo + chunk).min(l.experts.len());
+                    units.push(Unit::Experts { layer: l.layer, lo, hi });
+                    lo = hi;
+                }
             }
         }
         let mut slot = Vec::with_capacity(units.len());
@@ -273,7 +313,7 @@ impl StreamPlan {
             prev_in_slot.push(last[r][s]);
             last[r][s] = Some(i);
         }
-        Ok(StreamPlan { layers, expert_layout, whole_layers: whole, dense_slot, expert_slot, chunk, units, slot, prev_in_slot })
+        (self.units, self.slot, self.prev_in_slot) = (units, slot, prev_in_slot);
     }
 
     /// Device bytes of all four (or two) slots.
@@ -382,10 +422,10 @@ mod tests {
     fn coalesce_merges_only_runs_contiguous_in_source_and_slot() {
         let parts = vec![
             part("a", 0, 100, 10, 0),
-            part("b", 0, 110, 5, 10),  // contiguous with a in both
-            part("c", 0, 115, 5, 16),  // source contiguous, slot gap
-            part("d", 1, 120, 5, 21),  // another shard
-            part("e", 1, 125, 3, 26),  // contiguous with d
+            part("b", 0, 110, 5, 10), // contiguous with a in both
+            part("c", 0, 115, 5, 16), // source contiguous, slot gap
+            part("d", 1, 120, 5, 21), // another shard
+            part("e", 1, 125, 3, 26), // contiguous with d
         ];
         let got = coalesce(parts);
         let spans: Vec<(usize, u64, usize, usize)> = got.iter().map(|p| (p.src, p.offset, p.len, p.dst)).collect();

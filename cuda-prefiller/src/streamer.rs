@@ -110,7 +110,7 @@ impl WeightSource for DirectShards {
         let (name, f) = self.files.get(src).ok_or_else(|| anyhow!("no shard {src}"))?;
         let a = DIRECT_ALIGN;
         ensure!(
-            offset as usize % a == 0 && out.len() % a == 0 && out.as_ptr() as usize % a == 0,
+            (offset as usize).is_multiple_of(a) && out.len().is_multiple_of(a) && (out.as_ptr() as usize).is_multiple_of(a),
             "shard {name}: O_DIRECT read of {} bytes at {offset} is not {a}-byte aligned",
             out.len()
         );
@@ -120,7 +120,9 @@ impl WeightSource for DirectShards {
                 Ok(0) => break, // end of the file: the rest is alignment padding
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e).with_context(|| format!("O_DIRECT read of {} bytes at offset {} of shard {name}", out.len() - done, offset + done as u64)),
+                Err(e) => {
+                    return Err(e).with_context(|| format!("O_DIRECT read of {} bytes at offset {} of shard {name}", out.len() - done, offset + done as u64))
+                }
             }
         }
         Ok(())
@@ -146,7 +148,10 @@ impl PinnedShards {
         }
         let total: usize = sizes.iter().sum();
         let bar = indicatif::ProgressBar::new(total as u64).with_message("pinning the checkpoint in host memory");
-        bar.set_style(indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} ({bytes_per_sec})").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} ({bytes_per_sec})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
         let t0 = Instant::now();
         let mut shards = Vec::new();
         for ((name, path), &len) in paths.iter().zip(&sizes) {
@@ -473,11 +478,22 @@ pub struct StreamOptions {
     /// Pinned sources: at most this many 64 MiB copies in flight (`--copy-window`; `None`: all
     /// of a unit's copies are queued at once).
     pub copy_window: Option<usize>,
+    /// Keep the BF16 embedding table on the device and gather each prompt's rows there (else
+    /// the host gathers and uploads them; the memory plan's choice).
+    pub embed_on_device: bool,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { vram_budget: None, readers: default_readers(), stage_bytes: 256 << 20, expert_chunk: None, weights_from: WeightsFrom::PageCache, copy_window: None }
+        StreamOptions {
+            vram_budget: None,
+            readers: default_readers(),
+            stage_bytes: 256 << 20,
+            expert_chunk: None,
+            weights_from: WeightsFrom::PageCache,
+            copy_window: None,
+            embed_on_device: true,
+        }
     }
 }
 
@@ -603,7 +619,9 @@ impl StreamedWeights {
             let name = k3_protocol::tensors::text_tensor("model.embed_tokens.weight");
             let v = model.ck.tensor(&name)?;
             match v.dtype {
-                k3_protocol::tensors::DType::BF16 => Some(model.backend.upload_bytes(v.bytes).with_context(|| format!("uploading {name}"))?),
+                k3_protocol::tensors::DType::BF16 if opts.embed_on_device => {
+                    Some(model.backend.upload_bytes(v.bytes).with_context(|| format!("uploading {name}"))?)
+                }
                 _ => None,
             }
         };
@@ -642,20 +660,39 @@ impl StreamedWeights {
 
     /// The weight feed of one prompt; starts copying layer 0 at once. One prompt at a time.
     pub fn feed(&self) -> Result<StreamFeed<'_>> {
+        self.feed_for(1)
+    }
+
+    /// The weight feed of one pass whose latent-MoE layers take their experts in `windows`
+    /// expert windows (with experts in chunks, each window streams them again:
+    /// [`StreamPlan::with_expert_passes`](crate::stream_plan::StreamPlan::with_expert_passes)).
+    pub fn feed_for(&self, windows: usize) -> Result<StreamFeed<'_>> {
         let streamer = self
             .streamer
             .lock()
             .map_err(|_| anyhow!("weight streamer: lock poisoned"))?
             .take()
             .ok_or_else(|| anyhow!("weight streamer: another prompt is using it"))?;
+        let plan = if windows > 1 && !self.plan.whole_layers { Arc::new(self.plan.with_expert_passes(windows)) } else { self.plan.clone() };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<Ready>>();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Event)>();
-        let (gpu, plan, source, slot_ptr) = (self.gpu.clone(), self.plan.clone(), self.source.clone(), self.slot_ptr);
+        let (gpu, source, slot_ptr) = (self.gpu.clone(), self.source.clone(), self.slot_ptr);
+        let thread_plan = plan.clone();
         let thread = std::thread::Builder::new()
             .name("weight-prefetch".into())
-            .spawn(move || prefetch(streamer, gpu, plan, source, slot_ptr, ready_tx, done_rx))
+            .spawn(move || prefetch(streamer, gpu, thread_plan, source, slot_ptr, ready_tx, done_rx))
             .context("weight streamer: starting the prefetch thread")?;
-        Ok(StreamFeed { sw: self, next: 0, ready_rx, done_tx: Some(done_tx), thread: Some(thread), marks: Vec::new(), layer_end: Vec::new(), unit_done: Vec::new() })
+        Ok(StreamFeed {
+            sw: self,
+            plan,
+            next: 0,
+            ready_rx,
+            done_tx: Some(done_tx),
+            thread: Some(thread),
+            marks: Vec::new(),
+            layer_end: Vec::new(),
+            unit_done: Vec::new(),
+        })
     }
 }
 
@@ -735,6 +772,8 @@ struct UnitMarks {
 /// stops the prefetch thread.
 pub struct StreamFeed<'a> {
     sw: &'a StreamedWeights,
+    /// This pass's units (the streamer's plan, expert units repeated per window).
+    plan: Arc<crate::stream_plan::StreamPlan>,
     next: usize,
     ready_rx: std::sync::mpsc::Receiver<Result<Ready>>,
     done_tx: Option<std::sync::mpsc::Sender<(usize, Event)>>,
@@ -749,7 +788,7 @@ pub struct StreamFeed<'a> {
 impl StreamFeed<'_> {
     /// Waits (GPU side) for the next unit's copies, which must be `want`.
     fn take_unit(&mut self, want: impl Fn(&crate::stream_plan::Unit) -> bool, what: &str) -> Result<(usize, crate::stream_plan::Unit)> {
-        let plan = &self.sw.plan;
+        let plan = &self.plan;
         let u = self.next;
         let unit = *plan.units.get(u).ok_or_else(|| anyhow!("weight streamer: {what} requested after the last unit"))?;
         ensure!(want(&unit), "weight streamer: {what} requested, but the next unit is {unit:?} (layers must be taken in order)");
@@ -789,7 +828,7 @@ impl StreamFeed<'_> {
     /// Waits for the GPU and the prefetch thread; returns the per-layer timing.
     pub fn finish(mut self) -> Result<StreamStats> {
         self.stop()?;
-        let plan = &self.sw.plan;
+        let plan = &self.plan;
         let mut layers: Vec<LayerStreamTime> = Vec::new();
         let mut st = StreamStats::default();
         for (l, end) in &self.layer_end {
@@ -860,7 +899,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         use crate::stream_plan::Unit;
         let (u, unit) = self.take_unit(|x| matches!(x, Unit::Dense { layer, .. } if *layer == l), &format!("layer {l}"))?;
         let Unit::Dense { with_experts, .. } = unit else { unreachable!("checked by take_unit") };
-        let plan = self.sw.plan.clone();
+        let plan = self.plan.clone();
         let img = plan.image_of(l)?;
         let base = self.sw.slot_ptr[0][plan.slot[u]];
         let b = &*model.backend;
@@ -876,7 +915,8 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
         };
         let mut i = 0;
         let w = crate::model::LayerWeights::assemble(&model.cfg, spec, experts, |t| {
-            let s = img.tensors.get(i).filter(|s| s.name == t.name).ok_or_else(|| anyhow!("layer {l}: tensor {} is not where the stream plan put it", t.name))?;
+            let s =
+                img.tensors.get(i).filter(|s| s.name == t.name).ok_or_else(|| anyhow!("layer {l}: tensor {} is not where the stream plan put it", t.name))?;
             i += 1;
             let view = crate::cuda::DevMem::borrowed(gpu.clone(), base + s.off as u64, s.bytes);
             b.dense_from_device(&s.name, s.dtype, s.rows, s.cols, view)
@@ -892,7 +932,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
     ) -> Result<Vec<crate::cuda::backend::CudaBuf>> {
         use crate::stream_plan::Unit;
         let b = &*model.backend;
-        let plan_s = self.sw.plan.clone();
+        let plan_s = self.plan.clone();
         let layout = plan_s.expert_layout.ok_or_else(|| anyhow!("layer {l}: no expert layout"))?;
         let n = plan_s.image_of(l)?.experts.len();
         crate::cuda::profile::begin(&b.gpu, "MoE routing, grouping, combine")?;
@@ -934,7 +974,7 @@ impl crate::executor::WeightFeed<crate::cuda::CudaBackend> for StreamFeed<'_> {
 
     fn layer_done(&mut self, _model: &crate::model::Model<crate::cuda::CudaBackend>, l: usize) -> Result<()> {
         use crate::stream_plan::Unit;
-        let plan = self.sw.plan.clone();
+        let plan = self.plan.clone();
         let u = (0..self.next)
             .rev()
             .find(|&u| matches!(plan.units[u], Unit::Dense { layer, .. } if layer == l))
@@ -966,27 +1006,39 @@ pub fn prefill_maybe_streamed<B: crate::backend::Backend + 'static>(
     mut on_layer: impl FnMut(crate::executor::LayerEvent<'_>) -> Result<()>,
 ) -> Result<(crate::executor::PrefillOutput, Option<StreamStats>)> {
     let mut reqs = [crate::executor::PassRequest { state, input }];
-    let (mut outs, stats) = prefill_many_maybe_streamed(model, sw, &mut reqs, opts, |_, ev| on_layer(ev))?;
+    let (mut outs, stats) = prefill_many_maybe_streamed(model, sw, None, &mut reqs, opts, |_, ev| on_layer(ev))?;
     Ok((outs.pop().expect("one result per request")?, stats))
 }
 
 /// One shared weight pass over `reqs` ([`crate::executor::prefill_many_with`]): each layer's
 /// weights streamed once when `sw` is given (the model's backend must then be CUDA), else the
-/// model's own; also returns the pass's streaming timing (`None` when every request dropped
-/// out before the pass ended, or without streaming).
+/// model's own, and read no faster than the emulated source of `pace` when given
+/// ([`crate::source_pace`]); also returns the pass's streaming timing (`None` when every request
+/// dropped out before the pass ended, or without streaming).
 pub fn prefill_many_maybe_streamed<B: crate::backend::Backend + 'static>(
     model: &crate::model::Model<B>,
     sw: Option<&StreamedWeights>,
+    pace: Option<&crate::source_pace::SourcePass>,
     reqs: &mut [crate::executor::PassRequest<'_, '_>],
     opts: &crate::executor::ExecOptions,
     on_layer: impl FnMut(usize, crate::executor::LayerEvent<'_>) -> Result<()>,
 ) -> Result<(Vec<Result<crate::executor::PrefillOutput>>, Option<StreamStats>)> {
-    let Some(sw) = sw else { return Ok((crate::executor::prefill_many_with(model, &mut crate::executor::ModelWeights, reqs, opts, on_layer)?, None)) };
-    let Some(m) = crate::cuda::cuda_model(model) else {
-        bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name())
+    use crate::source_pace::PacedFeed;
+    let Some(sw) = sw else {
+        let mut own = crate::executor::ModelWeights;
+        let outs = match pace {
+            Some(p) => crate::executor::prefill_many_with(model, &mut PacedFeed::new(&mut own, p), reqs, opts, on_layer)?,
+            None => crate::executor::prefill_many_with(model, &mut own, reqs, opts, on_layer)?,
+        };
+        return Ok((outs, None));
     };
-    let mut feed = sw.feed()?;
-    let outs = crate::executor::prefill_many_with(m, &mut feed, reqs, opts, on_layer)?;
+    let Some(m) = crate::cuda::cuda_model(model) else { bail!("weight streaming needs the CUDA backend (this model runs on {})", model.backend.name()) };
+    let lens: Vec<usize> = reqs.iter().map(|r| r.input.tokens.len()).collect();
+    let mut feed = sw.feed_for(crate::executor::expert_windows(&lens, opts).len())?;
+    let outs = match pace {
+        Some(p) => crate::executor::prefill_many_with(m, &mut PacedFeed::new(&mut feed, p), reqs, opts, on_layer)?,
+        None => crate::executor::prefill_many_with(m, &mut feed, reqs, opts, on_layer)?,
+    };
     if outs.iter().all(|o| o.is_err()) {
         return Ok((outs, None));
     }

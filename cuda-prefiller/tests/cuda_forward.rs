@@ -42,10 +42,7 @@ struct Outcome {
 fn run(p: Precision, logit_tol: f64, gap_exempt: f32, state_tol: f64) {
     let Some(be) = cuda(p) else { return };
     let o = forward(be, p, logit_tol, gap_exempt, state_tol, true);
-    eprintln!(
-        "{p:?}: last-position P error by layer: {}",
-        o.layer_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" ")
-    );
+    eprintln!("{p:?}: last-position P error by layer: {}", o.layer_err.iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(" "));
     assert!(o.failures.is_empty(), "{p:?}: logits rows over {logit_tol:e} (row, err, margin): {:?}", o.failures);
     assert!(o.greedy_same, "{p:?}: greedy tokens differ from the golden decode");
 }
@@ -62,11 +59,8 @@ fn forward(be: CudaBackend, p: Precision, logit_tol: f64, gap_exempt: f32, state
     let out = prefill(&model, &mut state, PrefillInput::tokens(&ids), &opts, |_| Ok(())).expect("prefill");
     let gold_after = f32s(&st, "hidden.after_layer");
     let h = model.dims.hidden;
-    let layer_err: Vec<f64> = out
-        .trace
-        .as_ref()
-        .map(|tr| tr.after_layer.iter().enumerate().map(|(l, v)| rel(v, &gold_after[l * h..(l + 1) * h])).collect())
-        .unwrap_or_default();
+    let layer_err: Vec<f64> =
+        out.trace.as_ref().map(|tr| tr.after_layer.iter().enumerate().map(|(l, v)| rel(v, &gold_after[l * h..(l + 1) * h])).collect()).unwrap_or_default();
     let want = f32s(&st, "logits");
     let vocab = out.vocab;
     let t = ids.len();
@@ -128,7 +122,7 @@ fn cuda_backend_error_is_clear_without_gpu() {
         eprintln!("SKIPPED: a GPU is present; this test covers the no-GPU error");
         return;
     }
-    let err = CudaBackend::new(Precision::Bf16).err().expect("no GPU: the CUDA backend must fail");
+    let err = CudaBackend::new(Precision::Bf16, &cuda_prefiller::cuda::CudaOptions::default()).err().expect("no GPU: the CUDA backend must fail");
     let msg = format!("{err:#}");
     assert!(msg.contains("CUDA backend unavailable"), "unclear error: {msg}");
 }

@@ -100,7 +100,18 @@ fn cuda_kda_split_equals_oneshot() {
     let mut o = Vec::new();
     for (r0, r1) in [(0, p1), (p1, t)] {
         let out = b
-            .kda_chunked(&KdaInputs { q: &up(&inp.q, r0, r1, c), k: &up(&inp.k, r0, r1, c), v: &up(&inp.v, r0, r1, c), g: &up(&inp.g, r0, r1, c), beta: &up(&inp.beta, r0, r1, d.heads) }, &mut s, d, 64)
+            .kda_chunked(
+                &KdaInputs {
+                    q: &up(&inp.q, r0, r1, c),
+                    k: &up(&inp.k, r0, r1, c),
+                    v: &up(&inp.v, r0, r1, c),
+                    g: &up(&inp.g, r0, r1, c),
+                    beta: &up(&inp.beta, r0, r1, d.heads),
+                },
+                &mut s,
+                d,
+                64,
+            )
             .unwrap();
         o.extend(b.download(&out).unwrap());
     }

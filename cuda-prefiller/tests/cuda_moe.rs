@@ -53,7 +53,7 @@ fn run<B: Backend>(b: &B, ex: &[Ex], t: usize, inter: usize, latent: usize, top_
 
 fn check(p: Precision, tol: f64, cases: &[(usize, usize, usize, usize, usize)]) {
     let Some(mut gpu) = cuda(p) else { return };
-    // (expert path, kernel variant): the mma.sync kernel, its first version (K3_MOE_KERNEL=lds32),
+    // (expert path, kernel variant): the mma.sync kernel, its first version (`--moe-kernel lds32`),
     // and the dense path (BF16 dequantisation + cuBLAS) in groups of 3 experts and 64-row slices
     let configs: &[(MoePath, &'static str)] =
         if p == Precision::Bf16 { &[(MoePath::Mma, ""), (MoePath::Mma, "_lds32"), (MoePath::Dense, "")] } else { &[(MoePath::Mma, "")] };
@@ -81,8 +81,17 @@ fn dense_groups_of(gpu: &mut CudaBackend, g: usize, inter: usize, latent: usize)
 
 /// Uneven routing: experts with no rows next to experts with every token, ids fixed by hand.
 /// `pick(t, j)` gives the expert of slot j of token t.
-#[allow(clippy::too_many_arguments)]
-fn uneven(gpu: &mut CudaBackend, n: usize, inter: usize, latent: usize, t: usize, top_k: usize, pick: impl Fn(usize, usize) -> u32, group: usize, slice: usize) {
+fn uneven(
+    gpu: &mut CudaBackend,
+    n: usize,
+    inter: usize,
+    latent: usize,
+    t: usize,
+    top_k: usize,
+    pick: impl Fn(usize, usize) -> u32,
+    group: usize,
+    slice: usize,
+) {
     let ex = experts(n, inter, latent, 40 + n as u64);
     let hw = host(&ex, inter, latent);
     let mut r = rng(5);
@@ -99,11 +108,19 @@ fn uneven(gpu: &mut CudaBackend, n: usize, inter: usize, latent: usize, t: usize
     let xg = gpu.upload(&x, t, latent).unwrap();
     dense_groups_of(gpu, group, inter, latent);
     gpu.moe_dense.slice_rows = slice;
-    for path in [MoePath::Dense, MoePath::Mma] {
+    // the dense path also with each piece's GEMMs over rows rounded up to 64 (spare rows dropped)
+    for (path, grain) in [(MoePath::Dense, 1), (MoePath::Dense, 64), (MoePath::Mma, 1)] {
         gpu.moe_path = path;
+        gpu.moe_dense.row_grain = grain;
         let got = gpu.download(&gpu.moe_experts(&xg, &routing, &ge, betas).unwrap()).unwrap();
-        assert_rel(&format!("Bf16 {path:?} uneven routing E={n} I={inter} L={latent} T={t} k={top_k} rows/expert {counts:?}"), &got, &want, 1e-2);
+        assert_rel(
+            &format!("Bf16 {path:?} row_grain {grain} uneven routing E={n} I={inter} L={latent} T={t} k={top_k} rows/expert {counts:?}"),
+            &got,
+            &want,
+            1e-2,
+        );
     }
+    gpu.moe_dense.row_grain = 1;
 }
 
 #[test]
@@ -115,13 +132,37 @@ fn cuda_moe_dense_uneven_routing_bf16() {
         match j {
             0 => 0,
             1 => 1 + (t % 2) as u32,
-            2 => if t % 50 == 0 { 9 } else { 3 },
-            _ => 12 + (t % 4 == 0) as u32,
+            2 => {
+                if t.is_multiple_of(50) {
+                    9
+                } else {
+                    3
+                }
+            }
+            _ => 12 + t.is_multiple_of(4) as u32,
         }
     };
     uneven(&mut gpu, 16, 192, 256, 700, 4, pick, 3, 64);
     // K3 widths: 6 experts, top-2, experts 1, 3, 4 without rows, groups of 2
-    uneven(&mut gpu, 6, 3072, 3584, 64, 2, |t, j| if j == 0 { 0 } else if t % 16 == 0 { 5 } else { 2 }, 2, 8192);
+    uneven(
+        &mut gpu,
+        6,
+        3072,
+        3584,
+        64,
+        2,
+        |t, j| {
+            if j == 0 {
+                0
+            } else if t % 16 == 0 {
+                5
+            } else {
+                2
+            }
+        },
+        2,
+        8192,
+    );
 }
 
 /// The dense path's BF16 copy of the MXFP4 weights is exact: every bit equals the host decode,
@@ -160,7 +201,6 @@ fn cuda_mxfp4_dequant_bf16_bit_exact() {
     }
     eprintln!("dequant bf16: {checked} values bit-identical (incl. {} infinities)", got.iter().filter(|&&b| b & 0x7fff == 0x7f80).count());
 }
-
 
 #[test]
 fn cuda_moe_matches_cpu_f32() {

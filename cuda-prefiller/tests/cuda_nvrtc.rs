@@ -14,11 +14,7 @@ fn cuda_kernels_compile_for_all_archs() {
     for arch in ["sm_80", "sm_89", "sm_90", "sm_120"] {
         for (module, _) in nvrtc::SOURCES {
             let Some(target) = nvrtc::module_arch(module, arch) else { continue };
-            let defs: Vec<Vec<String>> = if *module == "mla_attn" {
-                vec![vec![], vec!["MLA_DQK=48".into(), "MLA_DV=32".into()]]
-            } else {
-                vec![vec![]]
-            };
+            let defs: Vec<Vec<String>> = if *module == "mla_attn" { vec![vec![], vec!["MLA_DQK=48".into(), "MLA_DV=32".into()]] } else { vec![vec![]] };
             for d in defs {
                 let src = nvrtc::full_source(module, &d).unwrap();
                 let cubin = nvrtc::compile(module, &src, &target).unwrap_or_else(|e| panic!("{e:#}"));

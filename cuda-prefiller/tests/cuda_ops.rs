@@ -109,14 +109,7 @@ fn cuda_ops_match_cpu_bf16() {
     // outputs of norms/activations; the pure-f32 ops keep the f32 bound.
     compare(
         Precision::Bf16,
-        &[
-            ("gemm", 8e-3),
-            ("rms_norm", 8e-3),
-            ("situ_glu", 8e-3),
-            ("situ_glu_linear", 8e-3),
-            ("attn_res_mix", 8e-3),
-            ("gated_rms_norm", 8e-3),
-        ],
+        &[("gemm", 8e-3), ("rms_norm", 8e-3), ("situ_glu", 8e-3), ("situ_glu_linear", 8e-3), ("attn_res_mix", 8e-3), ("gated_rms_norm", 8e-3)],
         2e-6,
     );
 }
@@ -195,8 +188,8 @@ fn cuda_ops_shapes_match_cpu_bf16() {
 /// and both AttnRes float4 kernels (with and without prefetch) forced, against the CPU functions.
 #[test]
 fn cuda_strided_kernels_match_cpu() {
-    use cuda_prefiller::{act, cpu};
     use cuda_prefiller::cuda::kernels::{self as k, AttnResKernel};
+    use cuda_prefiller::{act, cpu};
     let Some(b) = cuda(Precision::F32) else { return };
     let g = &b.gpu;
     let mut r = rng(11);
@@ -253,7 +246,15 @@ fn cuda_strided_kernels_match_cpu() {
         let w32b = b.upload(&w32, 1, 32).unwrap();
         k::kda_gated_norm(g, obuf.ptr(), up, ld, w32b.ptr(), ow2.ptr(), t, n / 32, 32, 1e-5, false).unwrap();
         let c = CpuBackend;
-        let want = c.gated_rms_norm(&c.upload(&o, t, n).unwrap(), &c.upload(&u, t, n).unwrap(), &c.load_dense(&HostTensor::from_f32("o_norm", 1, 32, &w32)).unwrap(), 32, 1e-5).unwrap();
+        let want = c
+            .gated_rms_norm(
+                &c.upload(&o, t, n).unwrap(),
+                &c.upload(&u, t, n).unwrap(),
+                &c.load_dense(&HostTensor::from_f32("o_norm", 1, 32, &w32)).unwrap(),
+                32,
+                1e-5,
+            )
+            .unwrap();
         assert_rel(&format!("kda_gated_norm, {what}"), &b.download(&ow2).unwrap(), &c.download(&want).unwrap(), 2e-6);
     }
     // AttnRes: both float4 kernels forced, at K3's hidden width and at a narrow one

@@ -38,7 +38,13 @@ impl Golden {
         SafeTensors::deserialize(&self.bytes).unwrap()
     }
     fn f32s(&self, name: &str) -> Vec<f32> {
-        self.st().tensor(name).unwrap_or_else(|e| panic!("golden tensor {name}: {e}")).data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+        self.st()
+            .tensor(name)
+            .unwrap_or_else(|e| panic!("golden tensor {name}: {e}"))
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
     }
     fn ids(&self) -> Vec<u32> {
         self.st().tensor("input_ids").unwrap().data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect()

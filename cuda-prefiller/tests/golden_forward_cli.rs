@@ -97,15 +97,7 @@ fn forward_cuda_without_gpu_and_bad_ids_fail_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let ids = write_ids(dir.path(), "ids.json", &[1, 2, 3]);
     let out = dir.path().join("o.safetensors");
-    let o = k3_prefill()
-        .args(["forward", "--backend", "cuda", "--model"])
-        .arg(tiny_a_dir())
-        .arg("--input-ids")
-        .arg(&ids)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = forward_output(&["--backend", "cuda"], &tiny_a_dir(), &ids, &out);
     match cuda_prefiller::cuda::probe() {
         // No usable GPU here: the CUDA backend must say so, naming CUDA.
         Err(_) => {
@@ -119,8 +111,80 @@ fn forward_cuda_without_gpu_and_bad_ids_fail_clearly() {
     let _ = std::fs::remove_file(&out);
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "[1, -2, 3]").unwrap();
-    let o = k3_prefill().args(["forward", "--backend", "cpu", "--model"]).arg(tiny_a_dir()).arg("--input-ids").arg(&bad).arg("--out").arg(&out).output().unwrap();
+    let o =
+        k3_prefill().args(["forward", "--backend", "cpu", "--model"]).arg(tiny_a_dir()).arg("--input-ids").arg(&bad).arg("--out").arg(&out).output().unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("entry 1"), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!out.exists());
+}
+
+/// Weight identity: `forward` labels the state with the model fingerprint only after the
+/// weights the pass read matched the digest it is made from. With a shard edited in place (size
+/// and mtime kept) or a forged digest cache (another model's hashes beside this model's real
+/// shard stamps and CRCs), `forward` refuses and deletes the cache; the next run hashes the
+/// weights again and labels its state with the checkpoint's true fingerprint. Before, both
+/// states carried the original fingerprint.
+#[test]
+fn forward_labels_states_only_with_checked_weights() {
+    use k3_protocol::fingerprint::{WeightDigest, DIGEST_FILE};
+    use k3_protocol::synth::{write_model, Preset, SynthOptions};
+    let synth = |dir: &std::path::Path, seed: u64| {
+        let mut o = SynthOptions::new(Preset::Tiny);
+        o.seed = seed;
+        o.tokenizer = false;
+        write_model(dir, &o).unwrap();
+        k3_protocol::Checkpoint::open(dir).unwrap().fingerprint()
+    };
+    let label = |out: &std::path::Path, dir: &std::path::Path| {
+        let cfg = k3_protocol::K3Config::load(dir).unwrap().text_config;
+        k3_protocol::handoff::load_session(out, &cfg).unwrap().fingerprint.unwrap()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = write_ids(tmp.path(), "ids.json", &[5, 9, 200, 31, 7]);
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let fa = synth(&a, 1);
+    let fb = synth(&b, 2);
+
+    // 1. a shard of A edited in place: one byte of layer 1, size and mtime kept
+    let name = "language_model.model.layers.1.input_layernorm.weight";
+    let (path, at) = {
+        let ck = k3_protocol::Checkpoint::open(&a).unwrap();
+        let e = ck.entry(name).unwrap().clone();
+        (a.join(ck.shard_name(e.shard)), e.start)
+    };
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::File::options().write(true).open(&path).unwrap().set_modified(mtime).unwrap();
+    let out = tmp.path().join("a.safetensors");
+    let o = forward_output(&["--backend", "cpu"], &a, &ids, &out);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(name) && err.contains("differ from the weight digest"), "{err}");
+    assert!(!out.exists(), "a state was written from unchecked weights");
+    assert!(!a.join(DIGEST_FILE).exists(), "the digest cache that does not match was kept");
+    let o = forward_output(&["--backend", "cpu"], &a, &ids, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let fa_edited = k3_protocol::Checkpoint::open(&a).unwrap().fingerprint();
+    assert_ne!(fa_edited, fa);
+    assert_eq!(label(&out, &a), fa_edited, "the state carries the edited checkpoint's true fingerprint");
+
+    // 2. B's digest cache forged: A's hashes (as edited) with B's stamps and B's real CRCs
+    let read = |d: &std::path::Path| -> WeightDigest { serde_json::from_slice(&std::fs::read(d.join(DIGEST_FILE)).unwrap()).unwrap() };
+    let (da, db) = (read(&a), read(&b));
+    let mut forged = da.clone();
+    forged.shards = db.shards.clone();
+    for (n, t) in forged.tensors.iter_mut() {
+        t.crc32c = db.tensors[n].crc32c;
+    }
+    std::fs::write(b.join(DIGEST_FILE), serde_json::to_vec(&forged).unwrap()).unwrap();
+    assert_eq!(k3_protocol::Checkpoint::open(&b).unwrap().fingerprint(), fa_edited, "the forged cache is read");
+    let out = tmp.path().join("b.safetensors");
+    let o = forward_output(&["--backend", "cpu"], &b, &ids, &out);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("differ from the weight digest"), "{err}");
+    assert!(!out.exists());
+    let o = forward_output(&["--backend", "cpu"], &b, &ids, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(label(&out, &b), fb, "rebuilt: B's own fingerprint");
 }

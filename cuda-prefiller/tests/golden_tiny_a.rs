@@ -10,10 +10,10 @@ use std::sync::OnceLock;
 use common::*;
 use cuda_prefiller::backend::MlaForm;
 use cuda_prefiller::cpu::CpuBackend;
-use k3_protocol::eval::argmax;
 use cuda_prefiller::executor::{self, EmbeddingOverrides, ExecOptions, LogitsRows, PrefillInput, PrefillOutput};
 use cuda_prefiller::model::kda::KdaForm;
 use cuda_prefiller::model::{Misread, Model};
+use k3_protocol::eval::argmax;
 use k3_protocol::handoff::{load_session, save_session, HandoffState, LayerState};
 
 struct Fixture {

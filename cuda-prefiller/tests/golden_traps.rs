@@ -17,8 +17,7 @@ fn run(misread: Misread) -> Result<f64, String> {
     let ids = golden.ids("input_ids");
     let model = cpu_model(checkpoint(&tiny_a_dir()), misread).map_err(|e| format!("{e:#}"))?;
     let mut st = HandoffState::empty(&model.cfg);
-    let out = executor::prefill(&model, &mut st, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(()))
-        .map_err(|e| format!("{e:#}"))?;
+    let out = executor::prefill(&model, &mut st, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(())).map_err(|e| format!("{e:#}"))?;
     Ok(max(&row_rel(&out.logits, &golden.f32("logits").1, model.dims.vocab)))
 }
 

@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cuda_prefiller::calibrate::{MoeObserverRef, StatsCollector};
-use cuda_prefiller::cli::calibrate as cal;
 use cuda_prefiller::cli::backend_args::BackendChoice;
+use cuda_prefiller::cli::calibrate as cal;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, PrefillOutput};

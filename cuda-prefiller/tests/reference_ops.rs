@@ -110,20 +110,43 @@ fn kda_through_the_backend_splits_like_one_shot() {
     let w = heads * d;
     let mut s1 = b.upload(&x.s0, heads, d * d).unwrap();
     let one = b
-        .kda_chunked(&KdaInputs { q: &up(&x.q, 0, rows, w), k: &up(&x.k, 0, rows, w), v: &up(&x.v, 0, rows, w), g: &up(&x.g, 0, rows, w), beta: &up(&x.beta, 0, rows, heads) }, &mut s1, dims, 64)
+        .kda_chunked(
+            &KdaInputs {
+                q: &up(&x.q, 0, rows, w),
+                k: &up(&x.k, 0, rows, w),
+                v: &up(&x.v, 0, rows, w),
+                g: &up(&x.g, 0, rows, w),
+                beta: &up(&x.beta, 0, rows, heads),
+            },
+            &mut s1,
+            dims,
+            64,
+        )
         .unwrap();
     let mut s2 = b.upload(&x.s0, heads, d * d).unwrap();
     let mut parts = Vec::new();
     for (r0, n) in [(0, 70), (70, 63)] {
         let o = b
-            .kda_chunked(&KdaInputs { q: &up(&x.q, r0, n, w), k: &up(&x.k, r0, n, w), v: &up(&x.v, r0, n, w), g: &up(&x.g, r0, n, w), beta: &up(&x.beta, r0, n, heads) }, &mut s2, dims, 64)
+            .kda_chunked(
+                &KdaInputs { q: &up(&x.q, r0, n, w), k: &up(&x.k, r0, n, w), v: &up(&x.v, r0, n, w), g: &up(&x.g, r0, n, w), beta: &up(&x.beta, r0, n, heads) },
+                &mut s2,
+                dims,
+                64,
+            )
             .unwrap();
         parts.extend(b.download(&o).unwrap());
     }
     assert!(rel(&parts, &one.data) <= 1e-5);
     assert!(rel(&s2.data, &s1.data) <= 1e-5);
     // Wrong shapes are errors, not panics.
-    assert!(b.kda_chunked(&KdaInputs { q: &up(&x.q, 0, 3, w), k: &up(&x.k, 0, 2, w), v: &up(&x.v, 0, 3, w), g: &up(&x.g, 0, 3, w), beta: &up(&x.beta, 0, 3, heads) }, &mut s2, dims, 64).is_err());
+    assert!(b
+        .kda_chunked(
+            &KdaInputs { q: &up(&x.q, 0, 3, w), k: &up(&x.k, 0, 2, w), v: &up(&x.v, 0, 3, w), g: &up(&x.g, 0, 3, w), beta: &up(&x.beta, 0, 3, heads) },
+            &mut s2,
+            dims,
+            64
+        )
+        .is_err());
 }
 
 #[test]
@@ -178,7 +201,14 @@ fn absorbed_mla_equals_expanded_mla() {
     let b = CpuBackend;
     let big = [cache.clone(), vec![99.0; 5 * dm.latent()]].concat();
     let out = b
-        .mla_attention(&b.upload(&q, rows, dm.heads * dm.qk()).unwrap(), &b.upload(&big, ctx + 5, dm.latent()).unwrap(), &b.upload(&kv_b, dm.heads * (dm.nope + dm.v), dm.kv_lora).unwrap(), dm, pos0, MlaForm::Absorbed)
+        .mla_attention(
+            &b.upload(&q, rows, dm.heads * dm.qk()).unwrap(),
+            &b.upload(&big, ctx + 5, dm.latent()).unwrap(),
+            &b.upload(&kv_b, dm.heads * (dm.nope + dm.v), dm.kv_lora).unwrap(),
+            dm,
+            pos0,
+            MlaForm::Absorbed,
+        )
         .unwrap();
     assert!(rel(&out.data, &e) <= 1e-5);
 }

@@ -5,6 +5,7 @@
 //! - a decode step = the prefill at the same position,
 //! - chunked KDA / expanded MLA = recurrent KDA / absorbed MLA over the whole prompt,
 //! - token chunks with the residual parked on the host = one chunk.
+//!
 //! Bounds: logits 1e-3 per row, state tensors 1e-3 (the golden tolerances).
 
 mod common;
@@ -46,11 +47,7 @@ fn run(model: &Model<CpuBackend>, st: &mut HandoffState, ids: &[u32], opts: &Exe
 /// may pick another expert there. Listed, exempt from the logits bound.
 fn near_ties(out: &PrefillOutput, from: usize) -> Vec<usize> {
     let n = out.topk_gap.first().map(|(_, g)| g.len()).unwrap_or(0);
-    (0..n)
-        .filter(|&i| out.topk_gap.iter().map(|(_, g)| g[i]).fold(f32::INFINITY, f32::min) < 1e-5)
-        .filter(|&i| i >= from)
-        .map(|i| i - from)
-        .collect()
+    (0..n).filter(|&i| out.topk_gap.iter().map(|(_, g)| g[i]).fold(f32::INFINITY, f32::min) < 1e-5).filter(|&i| i >= from).map(|i| i - from).collect()
 }
 
 fn states_close(what: &str, a: &HandoffState, b: &HandoffState) {
@@ -116,13 +113,8 @@ fn check_variant(v: Variant) {
 
     // Chunked = recurrent (and expanded = absorbed), in token chunks of 29, parked on the host.
     let mut st = empty.clone();
-    let opts = ExecOptions {
-        kda_form: Some(KdaForm::Recurrent),
-        mla_form: Some(MlaForm::Absorbed),
-        chunk_tokens: 29,
-        park_on_host: true,
-        ..Default::default()
-    };
+    let opts =
+        ExecOptions { kda_form: Some(KdaForm::Recurrent), mla_form: Some(MlaForm::Absorbed), chunk_tokens: 29, park_on_host: true, ..Default::default() };
     let rec = run(&model, &mut st, &ids, &opts);
     check_logits(&format!("{}: recurrent/absorbed, chunks of 29", v.name), &rec.logits, &full.logits, vocab, &exempt_all);
     states_close(&format!("{}: recurrent state", v.name), &st, &one);

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use cuda_prefiller::backend::{Backend, Routing};
 use cuda_prefiller::cpu::{CpuBackend, CpuExperts};
-use cuda_prefiller::expert_layout::ExpertLayout;
 use cuda_prefiller::executor::{self, ExecOptions, PrefillInput, WeightFeed};
+use cuda_prefiller::expert_layout::ExpertLayout;
 use cuda_prefiller::model::weights::{layer_experts, FfnWeights, LayerWeights};
 use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_prefiller::stream_plan::{StreamPlan, Unit};
@@ -189,8 +189,15 @@ fn expert_chunk_cap_streams_experts_in_chunks_without_a_budget() {
     assert_eq!(p.units[4], Unit::Experts { layer: 1, lo: 12, hi: 16 });
     check_slot_order(&p);
     check_bytes(&ck, &p);
-    // a cap at or above the expert count changes nothing
-    assert!(plan(&ck, None, Some(16)).unwrap().whole_layers);
+    // a cap at or above the expert count: each MoE layer's experts in one unit after its dense tensors
+    let p = plan(&ck, None, Some(16)).unwrap();
+    assert!(!p.whole_layers);
+    assert_eq!((p.chunk, p.expert_slot), (16, 16 * stride));
+    assert_eq!(p.units.len(), 1 + 8 * 2);
+    assert_eq!(&p.units[1..3], &[Unit::Dense { layer: 1, with_experts: false }, Unit::Experts { layer: 1, lo: 0, hi: 16 }]);
+    check_slot_order(&p);
+    check_bytes(&ck, &p);
+    assert_eq!(plan(&ck, None, Some(64)).unwrap().chunk, 16);
     assert!(plan(&ck, None, Some(0)).is_err());
 }
 
@@ -231,7 +238,12 @@ impl WeightFeed<CpuBackend> for ExpertsApart {
         }
         Ok(Arc::new(w))
     }
-    fn experts_in_chunks(&mut self, model: &Model<CpuBackend>, l: usize, inputs: &[(&<CpuBackend as Backend>::Buf, &Routing)]) -> anyhow::Result<Vec<<CpuBackend as Backend>::Buf>> {
+    fn experts_in_chunks(
+        &mut self,
+        model: &Model<CpuBackend>,
+        l: usize,
+        inputs: &[(&<CpuBackend as Backend>::Buf, &Routing)],
+    ) -> anyhow::Result<Vec<<CpuBackend as Backend>::Buf>> {
         self.calls.push((l, inputs.len()));
         let e = self.experts[l].as_ref().expect("layer taken first");
         inputs.iter().map(|(x, r)| model.backend.moe_experts(x, r, e, model.dims.situ)).collect()
@@ -295,4 +307,50 @@ fn expert_layout_of_the_plan_is_the_loaders() {
     let p = plan(&ck, None, None).unwrap();
     let c = ck.config().text_config.clone();
     assert_eq!(p.expert_layout.unwrap(), ExpertLayout::new(c.moe_intermediate_size, c.routed_expert_hidden_size).unwrap());
+}
+
+#[test]
+fn expert_windows_take_the_experts_once_per_window_with_identical_results() {
+    // The memory plan's expert windows: the streamed experts come once per window of token
+    // chunks (StreamPlan::with_expert_passes repeats a layer's expert units that often).
+    let ck = tiny_a();
+    let model = Model::new(Arc::new(CpuBackend), ck.clone(), WeightPolicy::PerLayer).unwrap();
+    let bytes = std::fs::read(k3_protocol::testdata::tiny_a_golden()).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids: Vec<u32> = st.tensor("input_ids").unwrap().data().chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32).collect();
+    let whole = ExecOptions { chunk_tokens: 64, trace_last: true, ..Default::default() };
+    let windowed = ExecOptions { expert_window_tokens: Some(128), ..whole.clone() };
+    let windows = executor::expert_windows(&[ids.len()], &windowed);
+    assert_eq!(windows.len(), ids.len().div_ceil(64).div_ceil(2), "two 64-token chunks per window");
+    let mut feed = ExpertsApart { experts: (0..9).map(|_| None).collect(), calls: Vec::new(), done: Vec::new() };
+    let (mut s0, mut s1) = (HandoffState::empty(&model.cfg), HandoffState::empty(&model.cfg));
+    let a = executor::prefill(&model, &mut s0, PrefillInput::tokens(&ids), &whole, |_| Ok(())).unwrap();
+    let b = executor::prefill_with(&model, &mut feed, &mut s1, PrefillInput::tokens(&ids), &windowed, |_| Ok(())).unwrap();
+    assert_eq!(a, b, "logits, router margins and hidden trace identical");
+    assert_eq!(s0.layers, s1.layers, "hand-off state identical");
+    let per_layer: Vec<usize> = windows.iter().map(|w| w.iter().map(|&(_, c0, c1)| c1 - c0).sum()).collect();
+    let want: Vec<(usize, usize)> = (1..9).flat_map(|l| per_layer.iter().map(move |&n| (l, n))).collect();
+    assert_eq!(feed.calls, want, "one experts_in_chunks call per layer and window, with the window's chunks");
+    // the streamer's units for the same pass: each MoE layer's expert chunks once per window
+    let p = plan(&ck, None, Some(6)).unwrap();
+    let q = p.with_expert_passes(windows.len());
+    let experts_of = |p: &StreamPlan, l: usize| p.units.iter().filter(|u| matches!(u, Unit::Experts { layer, .. } if *layer == l)).count();
+    for l in 1..9 {
+        assert_eq!(experts_of(&q, l), windows.len() * experts_of(&p, l));
+    }
+    check_slot_order(&q);
+    assert_eq!(
+        q.prompt_bytes(),
+        p.prompt_bytes()
+            + (windows.len() - 1)
+                * (1..9)
+                    .map(|l| (0..p.units.len())
+                        .filter(|&u| matches!(p.units[u], Unit::Experts { layer, .. } if layer == l))
+                        .map(|u| p.unit_bytes(u))
+                        .sum::<usize>())
+                    .sum::<usize>()
+    );
+    // whole-layer slots keep the experts in the layer's slot: nothing repeats
+    let w = plan(&ck, None, None).unwrap();
+    assert_eq!(w.with_expert_passes(5).units, w.units);
 }

@@ -159,7 +159,17 @@ fn fork_costs(engine: &Engine, s: &mut mac_decoder::decode::Session) -> Result<(
     let orig_step = t.elapsed().as_secs_f64();
     anyhow::ensure!(a == b, "the fork and the original disagree on the same step");
     println!("checkpoint at {} tokens, state {:.1} MB:", s.tokens() - 1, bytes as f64 / 1e6);
-    println!("  export + ingest     {:.2} ms, {:.1} MB copied (to host and back), first step {:.2} ms", copy_s * 1e3, 2.0 * bytes as f64 / 1e6, copy_step * 1e3);
-    println!("  fork (shared)       {:.3} ms, 0 MB copied, first step {:.2} ms (the original's next step {:.2} ms)", fork_s * 1e3, fork_step * 1e3, orig_step * 1e3);
+    println!(
+        "  export + ingest     {:.2} ms, {:.1} MB copied (to host and back), first step {:.2} ms",
+        copy_s * 1e3,
+        2.0 * bytes as f64 / 1e6,
+        copy_step * 1e3
+    );
+    println!(
+        "  fork (shared)       {:.3} ms, 0 MB copied, first step {:.2} ms (the original's next step {:.2} ms)",
+        fork_s * 1e3,
+        fork_step * 1e3,
+        orig_step * 1e3
+    );
     Ok(())
 }

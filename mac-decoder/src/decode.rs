@@ -24,11 +24,11 @@ use k3_protocol::handoff::HandoffState;
 use k3_protocol::{Checkpoint, Fingerprint};
 use mlx_rs::{ops, Array};
 
-use crate::ingest::{self, IngestedSession};
+use crate::decode_loop::TokenStep;
+use crate::ingest::{self, SessionFileInfo};
 use crate::mlx::{array_f32, array_i32, to_vec_f32};
 use crate::model::weights::WeightLoader;
 use crate::model::{K3Text, KdaMode, ModelCache};
-use crate::generate::TokenStep;
 
 /// dtype of the weights and of the activations between the model's FP32 islands (KDA
 /// recurrence, gates, router, AttnRes, MoE sum, MLA attention, caches: always f32).
@@ -90,7 +90,7 @@ impl Session {
     }
 }
 
-pub use crate::generate::{GenerateOutput, GenerateParams, LoopEnd};
+pub use crate::decode_loop::{GenerateOutput, GenerateParams, LoopEnd};
 
 /// A loaded K3 model.
 pub struct Engine {
@@ -209,13 +209,7 @@ impl Engine {
         tokens
             .iter()
             .enumerate()
-            .map(|(i, &t)| {
-                if (t as usize) < vocab {
-                    Ok(t as i32)
-                } else {
-                    Err(anyhow!("token {t} at position {i} is outside the vocabulary (size {vocab})"))
-                }
-            })
+            .map(|(i, &t)| if (t as usize) < vocab { Ok(t as i32) } else { Err(anyhow!("token {t} at position {i} is outside the vocabulary (size {vocab})")) })
             .collect()
     }
 
@@ -224,8 +218,7 @@ impl Engine {
     fn embeddings(&self, tokens: &[u32], image: Option<&ImageEmbeds>) -> Result<Array> {
         let ids = self.check_ids(tokens)?;
         let emb = self.model.embed(&array_i32(&ids, &[ids.len()], "input ids")?)?;
-        let pads: Vec<usize> =
-            (0..tokens.len()).filter(|&i| tokens[i] == self.config.media_placeholder_token_id).collect();
+        let pads: Vec<usize> = (0..tokens.len()).filter(|&i| tokens[i] == self.config.media_placeholder_token_id).collect();
         let Some(img) = image else {
             if !pads.is_empty() {
                 bail!("the prompt holds {} media placeholder token(s) but no image embeddings were given", pads.len());
@@ -322,7 +315,7 @@ impl Engine {
 
     /// Loads a session file (state, and the last logits row when it carries `logits`) into a
     /// fresh session.
-    pub fn ingest_session_file(&self, s: &mut Session, path: &Path) -> Result<IngestedSession> {
+    pub fn ingest_session_file(&self, s: &mut Session, path: &Path) -> Result<SessionFileInfo> {
         if s.tokens() != 0 {
             bail!("a session file loads into a fresh session (this one holds {} tokens)", s.tokens());
         }
@@ -428,12 +421,12 @@ impl Engine {
         RankWait(Some((guard, what)))
     }
 
-    /// The decode loop ([`crate::generate::generate`]) on one session: samples from its last
+    /// The decode loop ([`crate::decode_loop::generate`]) on one session: samples from its last
     /// logits, reports each token to `on_token` (return false to stop), feeds it, until
     /// `max_new_tokens` or a stop token. Every emitted token is fed, so the session afterwards
     /// holds prompt + output.
     pub fn generate(&self, s: &mut Session, params: &GenerateParams, on_token: impl FnMut(u32) -> bool) -> Result<GenerateOutput> {
-        crate::generate::generate(&mut Stepping { engine: self, session: s }, params, on_token)
+        crate::decode_loop::generate(&mut Stepping { engine: self, session: s }, params, on_token)
     }
 }
 

@@ -157,7 +157,7 @@ pub fn ingest_delta(c: &TextConfig, cache: &mut ModelCache, base: usize, delta: 
 
 /// What a session file brought besides the state.
 #[derive(Debug, Clone)]
-pub struct IngestedSession {
+pub struct SessionFileInfo {
     pub tokens: usize,
     /// The logits row of the last prompt position, when the file carries `logits`.
     pub last_logits: Option<Vec<f32>>,
@@ -167,21 +167,11 @@ pub struct IngestedSession {
 
 /// Loads a session file (or a golden file: the same tensor names) into a fresh cache.
 /// A fingerprint in the file must equal `expected`; a file without one is accepted with a warning.
-pub fn ingest_session_file(
-    c: &TextConfig,
-    expected: &Fingerprint,
-    cache: &mut ModelCache,
-    path: &Path,
-) -> Result<IngestedSession> {
+pub fn ingest_session_file(c: &TextConfig, expected: &Fingerprint, cache: &mut ModelCache, path: &Path) -> Result<SessionFileInfo> {
     let file = load_session(path, c).with_context(|| format!("reading session file {}", path.display()))?;
     match &file.fingerprint {
         Some(fp) if fp != expected => {
-            return Err(IngestError::Fingerprint {
-                path: path.display().to_string(),
-                found: fp.hex(),
-                expected: expected.hex(),
-            }
-            .into())
+            return Err(IngestError::Fingerprint { path: path.display().to_string(), found: fp.hex(), expected: expected.hex() }.into())
         }
         Some(_) => {}
         None => tracing::warn!(path = %path.display(), "session file carries no model fingerprint; shapes checked only"),
@@ -197,14 +187,8 @@ pub fn ingest_session_file(
         }
         None => None,
     };
-    ingest_delta(c, cache, cache.tokens, &file.state)
-        .with_context(|| format!("ingesting session file {}", path.display()))?;
-    Ok(IngestedSession {
-        tokens: file.state.tokens,
-        last_logits,
-        fingerprint: file.fingerprint,
-        token_prefix_hash: file.token_prefix_hash,
-    })
+    ingest_delta(c, cache, cache.tokens, &file.state).with_context(|| format!("ingesting session file {}", path.display()))?;
+    Ok(SessionFileInfo { tokens: file.state.tokens, last_logits, fingerprint: file.fingerprint, token_prefix_hash: file.token_prefix_hash })
 }
 
 /// The cache as a canonical hand-off state (all rows from token 0).

@@ -2,21 +2,23 @@
 
 pub mod chat;
 pub mod cli;
-pub mod generate;
-pub mod memory;
-pub mod sampler;
-pub mod server;
 #[cfg(feature = "mlx")]
 pub mod decode;
+pub mod decode_loop;
 #[cfg(feature = "mlx")]
 pub mod distributed;
+pub mod engine;
 #[cfg(feature = "mlx")]
 pub mod ingest;
+pub mod memory;
+pub mod metrics;
 #[cfg(feature = "mlx")]
 pub mod mlx;
 #[cfg(feature = "mlx")]
 pub mod model;
 #[cfg(feature = "mlx")]
 pub mod remote;
+pub mod sampler;
+pub mod server;
 pub mod tokenizer;
 pub mod vision;

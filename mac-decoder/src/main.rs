@@ -16,7 +16,7 @@ enum Cmd {
     Generate(cli::generate::Args),
     /// Encode an image with MoonViT-V2 and the projector.
     EncodeImage(cli::encode_image::Args),
-    /// OpenAI-compatible HTTP server.
+    /// OpenAI- and Anthropic-compatible HTTP server (chat completions, completions, responses, messages) for agents and SDKs.
     Serve(cli::serve::Args),
     /// Print the prompt (text, segments, ids) of an OpenAI chat request as the server renders it.
     Render(cli::render::RenderArgs),

@@ -22,11 +22,9 @@ pub fn available_bytes() -> Option<u64> {
     }
 }
 
-/// A memory budget: the byte count in the environment variable `var` if it is set (tests,
-/// operators), else half of [`available_bytes`], else `None` (unbounded).
-pub fn budget(var: &str) -> Option<u64> {
-    if let Some(v) = std::env::var(var).ok().and_then(|v| v.trim().parse().ok()) {
-        return Some(v);
-    }
-    available_bytes().map(|b| b / 2)
+/// A memory budget: `bytes` when given (`--vision-memory-bytes`, `--context-memory-bytes`),
+/// else half of what [`available_bytes`] leaves beside `beside` bytes still to be loaded (the
+/// model's weights), else `None` (unbounded: the memory cannot be read).
+pub fn budget(bytes: Option<u64>, beside: u64) -> Option<u64> {
+    bytes.or_else(|| available_bytes().map(|a| a.saturating_sub(beside) / 2))
 }

@@ -83,7 +83,6 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
         params.validate()?;

@@ -4,9 +4,9 @@
 //! leaving early — every greedy token equal, every logits row within f32 rounding.
 #![cfg(feature = "mlx")]
 
+use k3_protocol::eval::argmax;
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use mac_decoder::decode::{Engine, Session};
-use k3_protocol::eval::argmax;
 
 fn tiny() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

@@ -13,10 +13,12 @@ fn golden() -> Json {
 }
 
 fn options(input: &Json) -> RenderOptions {
-    let mut o = RenderOptions::default();
-    o.tools = input.get("tools").cloned();
-    o.tool_choice = input.get("tool_choice").cloned();
-    o.response_format = input.get("response_format").cloned();
+    let mut o = RenderOptions {
+        tools: input.get("tools").cloned(),
+        tool_choice: input.get("tool_choice").cloned(),
+        response_format: input.get("response_format").cloned(),
+        ..Default::default()
+    };
     if let Some(Json::Bool(b)) = input.get("thinking") {
         o.thinking = *b;
     }
@@ -24,10 +26,7 @@ fn options(input: &Json) -> RenderOptions {
     if let Some(Json::Bool(b)) = input.get("add_generation_prompt") {
         o.add_generation_prompt = *b;
     }
-    o.image_prompts = input
-        .get("image_prompts")
-        .and_then(Json::as_array)
-        .map(|a| a.iter().map(|p| p.as_str().unwrap().to_string()).collect());
+    o.image_prompts = input.get("image_prompts").and_then(Json::as_array).map(|a| a.iter().map(|p| p.as_str().unwrap().to_string()).collect());
     o
 }
 
@@ -93,10 +92,7 @@ fn spec_xtml_turn_encodes_to_golden_ids_segment_by_segment() {
     let tok = tokenizer_support::tokenizer();
     let m = msgs(r#"[{"role":"user","content":"hello"}]"#);
     let segs = render(&m, &RenderOptions { add_generation_prompt: false, ..Default::default() }).unwrap();
-    assert_eq!(
-        tok.encode_segments(&segs).unwrap(),
-        vec![163587, 2778, 6244, 878, 2482, 1, 163589, 22931, 163588, 2778, 163589, 163586]
-    );
+    assert_eq!(tok.encode_segments(&segs).unwrap(), vec![163587, 2778, 6244, 878, 2482, 1, 163589, 22931, 163588, 2778, 163589, 163586]);
 }
 
 #[test]
@@ -126,11 +122,9 @@ fn bad_conversations_are_errors_not_panics() {
     let e = render(&msgs(r#"[{"role":"user","content":"hi"}]"#), &RenderOptions { thinking_effort: Some("medium".into()), ..Default::default() }).unwrap_err();
     assert!(e.0.contains("medium"));
     // Image count mismatch.
-    let e = render(
-        &msgs(r#"[{"role":"user","content":"no image here"}]"#),
-        &RenderOptions { image_prompts: Some(vec![image_prompt(1, 1)]), ..Default::default() },
-    )
-    .unwrap_err();
+    let e =
+        render(&msgs(r#"[{"role":"user","content":"no image here"}]"#), &RenderOptions { image_prompts: Some(vec![image_prompt(1, 1)]), ..Default::default() })
+            .unwrap_err();
     assert!(e.0.contains("image"), "{e}");
 }
 
@@ -141,4 +135,36 @@ fn server_mode_placeholders_in_text_stay_text() {
     let segs = render(&m, &opts).unwrap();
     assert!(segs.contains(&Segment::text("a <|kimi_image_placeholder|> b")));
     assert!(segs.contains(&Segment::markup("<|media_begin|>image 640x480<|media_content|><|media_pad|><|media_end|>")));
+}
+
+#[test]
+fn system_messages_render_where_they_stand() {
+    // Claude Code sends its environment description as a `system` message after the first
+    // user message, and Codex `developer` messages mid-conversation: each renders in place, as
+    // a system message, between its neighbours (no hoisting to the top).
+    let m = msgs(
+        r##"[{"role":"user","content":[{"type":"text","text":"<system-reminder>r</system-reminder>\n"},{"type":"text","text":"Hi"}]},
+            {"role":"system","content":[{"type":"text","text":"# Environment"}]},
+            {"role":"assistant","content":"Hello."},
+            {"role":"system","content":"late note"},
+            {"role":"user","content":"Again"}]"##,
+    );
+    let opts = RenderOptions { thinking: false, ..Default::default() };
+    let text = render_text(&render(&m, &opts).unwrap());
+    assert_eq!(
+        text,
+        concat!(
+            "<|open|>message role=\"user\"<|sep|><system-reminder>r</system-reminder>\nHi<|close|>message<|sep|><|end_of_msg|>",
+            "<|open|>message role=\"system\"<|sep|># Environment<|close|>message<|sep|><|end_of_msg|>",
+            "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>Hello.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            "<|open|>message role=\"system\"<|sep|>late note<|close|>message<|sep|><|end_of_msg|>",
+            "<|open|>message role=\"user\"<|sep|>Again<|close|>message<|sep|><|end_of_msg|>",
+            "<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>"
+        )
+    );
+    // A string and a one-block list of the same text render alike (Claude Code sends the first
+    // turn's environment as a block list and later turns' as a string).
+    let as_string = msgs(r##"[{"role":"user","content":"Hi"},{"role":"system","content":"# Environment"}]"##);
+    let as_blocks = msgs(r##"[{"role":"user","content":[{"type":"text","text":"Hi"}]},{"role":"system","content":[{"type":"text","text":"# Environment"}]}]"##);
+    assert_eq!(render(&as_string, &opts).unwrap(), render(&as_blocks, &opts).unwrap());
 }

@@ -14,7 +14,7 @@ use mac_decoder::chat::constrain::Grammars;
 use mac_decoder::chat::grammar::ReplyShape;
 use mac_decoder::chat::parse::{FinishReason, OutputParser};
 use mac_decoder::chat::Json;
-use mac_decoder::generate::{generate_constrained, GenerateParams, TokenStep};
+use mac_decoder::decode_loop::{generate_constrained, GenerateParams, TokenStep};
 use mac_decoder::sampler::SamplingParams;
 use mac_decoder::tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
@@ -95,10 +95,9 @@ fn constrained_replies_at_full_vocabulary() {
     .unwrap();
     let end = tok.special_id("<|end_of_msg|>").unwrap();
     let (mut mask_s, mut steps) = (0.0, 0usize);
-    for (shape, name) in [
-        (ReplyShape::JsonSchema(schema.clone()), "json_schema"),
-        (ReplyShape::ToolCalls { tools: tools.clone(), only: Some("set_mode".into()) }, "named tool"),
-    ] {
+    for (shape, name) in
+        [(ReplyShape::JsonSchema(schema.clone()), "json_schema"), (ReplyShape::ToolCalls { tools: tools.clone(), only: Some("set_mode".into()) }, "named tool")]
+    {
         let mut good = 0;
         for seed in 0..20u64 {
             let mut c = grammars.constraint(&shape, false).unwrap();
@@ -121,11 +120,7 @@ fn constrained_replies_at_full_vocabulary() {
             let o = p.output();
             let ok = match &shape {
                 ReplyShape::JsonSchema(_) => serde_json::from_str(&o.content).is_ok_and(|v| valid(&v)),
-                _ => {
-                    o.tool_calls.len() == 1
-                        && o.tool_calls[0].name == "set_mode"
-                        && serde_json::from_str(&o.tool_calls[0].arguments).is_ok_and(|v| valid(&v))
-                }
+                _ => o.tool_calls.len() == 1 && o.tool_calls[0].name == "set_mode" && serde_json::from_str(&o.tool_calls[0].arguments).is_ok_and(|v| valid(&v)),
             };
             if !ok {
                 println!("{name} seed {seed}: {:?} -> {o:?}", tok.decode(&out.tokens));

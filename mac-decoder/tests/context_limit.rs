@@ -2,9 +2,8 @@
 //! requests, the synthetic models' and K3's `max_position_embeddings`, so a request was taken
 //! in and then exhausted memory or ran for hours). Without `--max-context`, `k3-decode serve`
 //! takes the limit the context memory budget holds (`context::limit`, as here); a request past
-//! it gets a clear 400 before anything is allocated for it. The budget is set small through
-//! `K3_CONTEXT_MEMORY_BYTES` (one test in this binary, so the variable is set before any other
-//! code reads it).
+//! it gets a clear 400 before anything is allocated for it. The budget is set small, as
+//! `--context-memory-bytes` sets it.
 #![cfg(feature = "mlx")]
 
 use std::sync::Arc;
@@ -12,10 +11,10 @@ use std::time::Duration;
 
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use mac_decoder::decode::EngineOptions;
-use mac_decoder::server::context;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::engine::context_limit as context;
+use mac_decoder::engine::mlx_engine::MlxEngine;
+use mac_decoder::engine::{EngineHandle, StoreOptions};
+use mac_decoder::metrics::Metrics;
 use mac_decoder::server::{router, AppState};
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -32,13 +31,12 @@ async fn a_request_past_the_default_context_limit_is_a_clear_400() {
     let chunk = EngineOptions::default().prefill_chunk;
     const LIMIT: usize = 8192;
     let budget = context::bytes_per_token(&cfg, chunk) * LIMIT as u64 + 1000;
-    std::env::set_var(context::BUDGET_VAR, budget.to_string());
 
     let tok = Arc::new(Tokenizer::from_dir(dir.path()).unwrap());
     let metrics = Arc::new(Metrics::new());
     let model = dir.path().to_path_buf();
     let weights = k3_protocol::Checkpoint::open(dir.path()).unwrap().total_bytes();
-    let ctx = context::limit(&cfg, chunk, 0, weights);
+    let ctx = context::limit(&cfg, chunk, 0, mac_decoder::memory::budget(Some(budget), weights));
     assert_eq!(ctx, LIMIT);
     let engine = EngineHandle::spawn(move || MlxEngine::load(&model, EngineOptions::default(), ctx), StoreOptions::default(), metrics.clone()).unwrap();
     assert_eq!(engine.max_context, LIMIT);

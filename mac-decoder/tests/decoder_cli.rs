@@ -55,6 +55,41 @@ fn generate_from_ids_and_from_state_prints_and_writes_the_golden_tokens() {
     assert!(err.contains("99999") && err.contains("vocabulary"), "{err}");
 }
 
+/// `generate` had no context check: 10M ids were prefilled until 5.2 GB of RSS. A run past the
+/// context limit (the config's 1,048,576 on tiny-t, or `--max-context`) is now refused before
+/// the model loads, naming the limit; one within it runs.
+#[test]
+fn generate_refuses_a_prompt_past_the_context_before_prefilling() {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/models/tiny-t");
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("ids.json");
+    let run = |ids_list: Vec<u32>, extra: &[&str]| {
+        std::fs::write(&ids, serde_json::to_string(&ids_list).unwrap()).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_k3-decode"))
+            .args(["generate", "--model"])
+            .arg(&model)
+            .arg("--input-ids")
+            .arg(&ids)
+            .args(["--greedy", "--max-new-tokens", "4"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .output()
+            .unwrap()
+    };
+    let o = run((0..1_100_000u32).map(|i| 10 + i % 4000).collect(), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "1.1M ids were accepted: {err}");
+    assert!(err.contains("1100000 prompt tokens") && err.contains("exceed the context limit of") && err.contains("--max-context"), "{err}");
+    assert!(!err.contains("model loaded") && !err.contains("local prefill"), "it loaded or prefilled first: {err}");
+    // --max-context: 20 ids + 4 new pass a limit of 24, not one of 23
+    let o = run((10..30).collect(), &["--max-context", "23"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("exceed the context limit of 23 tokens"), "{err}");
+    let o = run((10..30).collect(), &["--max-context", "24"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(tokens_of(&String::from_utf8_lossy(&o.stdout)).len(), 4);
+}
+
 /// Issue 21: SIGTERM skipped the graceful shutdown of `k3-decode serve` (the process died by the
 /// signal). It now stops accepting, finishes what runs, and exits 0 with a log line.
 #[cfg(unix)]
@@ -111,7 +146,7 @@ struct Serve {
 
 #[cfg(target_os = "linux")]
 impl Serve {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> Serve {
+    fn start(args: &[&str]) -> Serve {
         use std::io::{BufRead, BufReader};
         use std::process::Stdio;
         let dir = tempfile::tempdir().unwrap();
@@ -122,9 +157,6 @@ impl Serve {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_k3-decode"));
         cmd.args(["serve", "--model"]).arg(dir.path()).args(["--listen", "127.0.0.1:0"]).args(args);
         cmd.env("RUST_LOG", "info").env("NO_COLOR", "1").stdout(Stdio::null()).stderr(Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
         let mut child = cmd.spawn().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
@@ -210,7 +242,7 @@ fn image_chat(side: u32) -> String {
 /// Issue 21, finding 1 (one small image took the decoder down: a 9 KB 1792² PNG drove
 /// `k3-decode serve` to 2.24 GB, a 2240² one to 5.3 GB; MLX built every attention block's scores
 /// lazily and evaluated them together). Here `serve` runs with a vision memory budget of
-/// 128 MB (`K3_VISION_MEMORY_BYTES`): a 2240² PNG (25,600 patches) cannot fit and gets a clean 400
+/// 128 MB (`--vision-memory-bytes`): a 2240² PNG (25,600 patches) cannot fit and gets a clean 400
 /// within seconds, before any tower work; a 1120² PNG (6,400 patches, whose scores alone are
 /// 2 heads × 6400² × 4 B = 328 MB when built at once) is answered, and the server's peak
 /// resident memory (VmHWM, reset just before) grows by less than the budget + 64 MB.
@@ -219,7 +251,8 @@ fn image_chat(side: u32) -> String {
 fn serve_bounds_the_memory_of_an_image_and_refuses_what_cannot_fit() {
     use std::time::{Duration, Instant};
     const BUDGET_MB: f64 = 128.0;
-    let s = Serve::start(&[], &[("K3_VISION_MEMORY_BYTES", &((BUDGET_MB * 1e6) as u64).to_string())]);
+    let budget = ((BUDGET_MB * 1e6) as u64).to_string();
+    let s = Serve::start(&["--vision-memory-bytes", &budget]);
 
     let t0 = Instant::now();
     let (code, body) = s.request("POST", "/v1/chat/completions", &image_chat(2240), Duration::from_secs(60));
@@ -236,12 +269,11 @@ fn serve_bounds_the_memory_of_an_image_and_refuses_what_cannot_fit() {
     let secs = t0.elapsed().as_secs_f64();
     assert_eq!(code, 200, "a 1120² image within the budget: {body}\n{}", s.log());
     let peak = s.status_mb("VmHWM:");
-    eprintln!("1120² image: {secs:.1} s; RSS before {before:.0} MB, peak {peak:.0} MB (+{:.0} MB; budget {BUDGET_MB} MB); 2240² refused in {refused_s:.2} s", peak - before);
-    assert!(
-        peak - before < BUDGET_MB + 64.0,
-        "peak resident memory grew by {:.0} MB for a 6,400-patch image (budget {BUDGET_MB} MB)",
+    eprintln!(
+        "1120² image: {secs:.1} s; RSS before {before:.0} MB, peak {peak:.0} MB (+{:.0} MB; budget {BUDGET_MB} MB); 2240² refused in {refused_s:.2} s",
         peak - before
     );
+    assert!(peak - before < BUDGET_MB + 64.0, "peak resident memory grew by {:.0} MB for a 6,400-patch image (budget {BUDGET_MB} MB)", peak - before);
 }
 
 /// Issue 21: read timeouts of `k3-decode serve`, set by flags. A client that sends part of its
@@ -252,7 +284,7 @@ fn serve_bounds_the_memory_of_an_image_and_refuses_what_cannot_fit() {
 fn serve_disconnects_clients_that_stall_mid_request() {
     use std::io::{Read, Write};
     use std::time::{Duration, Instant};
-    let s = Serve::start(&["--header-read-timeout", "1", "--body-read-timeout", "1.5"], &[]);
+    let s = Serve::start(&["--header-read-timeout", "1", "--body-read-timeout", "1.5"]);
     let stall = |sent: &str| {
         let mut c = std::net::TcpStream::connect(s.addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -264,13 +296,42 @@ fn serve_disconnects_clients_that_stall_mid_request() {
     };
     let (secs, _) = stall("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ");
     assert!((0.9..6.0).contains(&secs), "a partial header was held {secs:.1} s (timeout 1 s)");
-    let (secs, answer) = stall(
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":",
-    );
+    let (secs, answer) =
+        stall("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":");
     assert!(answer.starts_with("HTTP/1.1 408"), "a partial body: {answer}");
     assert!((1.4..6.5).contains(&secs), "a partial body was held {secs:.1} s (timeout 1.5 s)");
     // the server still answers
     let (code, body) = s.request("GET", "/health", "", Duration::from_secs(10));
     assert_eq!(code, 200, "{body}");
     assert!(s.log().contains("tokens-in-flight limit"), "{}", s.log());
+}
+
+/// `k3-decode serve` with a prefill node runs one tokio runtime (the HTTP server's, which the
+/// prefill client's network shares: no `prefill-client` threads of a second one), and logs its
+/// memory budgets once at start, as given by `--context-memory-bytes` / `--vision-memory-bytes`.
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_runs_one_tokio_runtime_and_logs_its_memory_budgets_once() {
+    let config = tempfile::tempdir().unwrap();
+    let s = Serve::start(&[
+        "--prefill-node",
+        "127.0.0.1:9",
+        "--insecure-dev",
+        "--config-dir",
+        config.path().to_str().unwrap(),
+        "--context-memory-bytes",
+        "500000000",
+        "--vision-memory-bytes",
+        "128000000",
+    ]);
+    let threads: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", s.child.id()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect();
+    assert!(threads.iter().any(|n| n.starts_with("tokio-")), "no tokio worker among {threads:?}");
+    assert!(!threads.iter().any(|n| n == "prefill-client"), "the prefill client runs a runtime of its own: {threads:?}");
+    let log = s.log();
+    assert_eq!(log.matches("memory budgets").count(), 1, "{log}");
+    assert!(log.contains("context_mb=500") && log.contains("vision_mb=128"), "{log}");
 }

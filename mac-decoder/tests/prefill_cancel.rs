@@ -45,7 +45,7 @@ fn an_abandoned_local_prefill_stops_within_a_chunk() {
     let flag = Arc::new(AtomicBool::new(true));
     engine.set_cancel(Some(flag.clone()));
     let mut s = engine.new_session().unwrap();
-    let e = engine.prefill_local(&mut s, &prompt, None).err().expect("a cancelled prefill ran to the end");
+    let e = engine.prefill_local(&mut s, &prompt, None).expect_err("a cancelled prefill ran to the end");
     assert_eq!(stopped_at(&e), 0);
     assert_eq!(s.tokens(), 0);
 
@@ -62,17 +62,12 @@ fn an_abandoned_local_prefill_stops_within_a_chunk() {
     let mut s = engine.new_session().unwrap();
     let r = engine.prefill_local(&mut s, &prompt, None);
     let returned = Instant::now();
-    let e = r.err().expect("the prefill ran to the end although its flag was set");
+    let e = r.expect_err("the prefill ran to the end although its flag was set");
     let set_at = setter.join().unwrap();
     let after = returned.saturating_duration_since(set_at);
     let at = stopped_at(&e);
-    eprintln!(
-        "full prefill {:.3} s ({} chunks); cancelled at {at} of {N} tokens, {:.3} s after the flag",
-        full.as_secs_f64(),
-        N / CHUNK,
-        after.as_secs_f64()
-    );
-    assert!(at < N && at % CHUNK == 0, "stopped at {at}");
+    eprintln!("full prefill {:.3} s ({} chunks); cancelled at {at} of {N} tokens, {:.3} s after the flag", full.as_secs_f64(), N / CHUNK, after.as_secs_f64());
+    assert!(at < N && at.is_multiple_of(CHUNK), "stopped at {at}");
     assert_eq!(s.tokens(), at, "the session holds exactly the chunks that ran");
     // At most the chunk in progress finishes (1/24 of the prompt, measured 0.05-0.2 s on a loaded
     // box); an uncancelled run would go on for ~7/8 of `full`.

@@ -4,6 +4,8 @@
 //! hand-off state; a rank killed mid-decode stops the others within seconds; each rank holds
 //! only its share of the routed experts.
 #![cfg(feature = "mlx")]
+// The tests take turns through a std Mutex held for the whole (async) test: that is the point.
+#![allow(clippy::await_holding_lock)]
 
 mod decoder_golden;
 
@@ -46,11 +48,7 @@ fn single(args: &[String]) -> Vec<u32> {
 
 /// `k3-decode launch --ranks n -- generate …`.
 fn launched(n: usize, args: &[String]) -> Vec<u32> {
-    let o = Command::new(BIN)
-        .args(["launch", "--ranks", &n.to_string(), "--step-timeout", "20", "--", "generate"])
-        .args(args)
-        .output()
-        .unwrap();
+    let o = Command::new(BIN).args(["launch", "--ranks", &n.to_string(), "--step-timeout", "20", "--", "generate"]).args(args).output().unwrap();
     check(&o, &format!("launch --ranks {n}"));
     tokens_of(&o.stdout)
 }
@@ -69,7 +67,7 @@ fn tiny_a_on_two_and_four_ranks_gives_the_golden_tokens() {
     let ids = dir.path().join("ids.json");
     std::fs::write(&ids, serde_json::to_string(&g.ids("input_ids")).unwrap()).unwrap();
     let model = model_dir("tiny-a");
-    let base = vec!["--model".to_string(), s(&model), "--greedy".into(), "--max-new-tokens".into(), want.len().to_string()];
+    let base = ["--model".to_string(), s(&model), "--greedy".into(), "--max-new-tokens".into(), want.len().to_string()];
     let local: Vec<String> = base.iter().cloned().chain(["--input-ids".into(), s(&ids)]).collect();
     let handoff: Vec<String> = base.iter().cloned().chain(["--state".into(), s(model.join("golden.safetensors"))]).collect();
     for n in [2, 4] {
@@ -120,7 +118,7 @@ fn seven_experts_over_two_and_four_ranks_match_the_single_process() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (model, ids, session) = synth_case(dir.path());
-    let base = vec!["--model".to_string(), s(&model), "--greedy".into(), "--max-new-tokens".into(), "10".into()];
+    let base = ["--model".to_string(), s(&model), "--greedy".into(), "--max-new-tokens".into(), "10".into()];
     let local: Vec<String> = base.iter().cloned().chain(["--input-ids".into(), s(&ids)]).collect();
     let handoff: Vec<String> = base.iter().cloned().chain(["--state".into(), s(&session)]).collect();
     let want_local = single(&local);
@@ -243,7 +241,10 @@ fn a_rank_killed_or_stalled_mid_decode_stops_the_others_within_seconds() {
 #[test]
 fn launch_reports_a_failing_rank_and_checks_its_arguments() {
     let _serial = serial();
-    let o = Command::new(BIN).args(["launch", "--ranks", "2", "--", "generate", "--model", "/nonexistent/k3", "--input-ids", "/nonexistent/ids.json"]).output().unwrap();
+    let o = Command::new(BIN)
+        .args(["launch", "--ranks", "2", "--", "generate", "--model", "/nonexistent/k3", "--input-ids", "/nonexistent/ids.json"])
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("rank") && err.contains("failed"), "{err}");
@@ -407,10 +408,7 @@ async fn serve_over_two_ranks_answers_like_generate_and_reports_a_lost_rank() {
     let _ = ranks[0].kill();
     let _ = ranks[0].wait();
     let log: String = logs[0].try_iter().collect::<Vec<_>>().join("\n");
-    assert!(
-        text.contains("rank 0 of 2") || log.contains("a peer rank is gone or stalled"),
-        "the server does not report the lost rank: {text}\n{log}"
-    );
+    assert!(text.contains("rank 0 of 2") || log.contains("a peer rank is gone or stalled"), "the server does not report the lost rank: {text}\n{log}");
 }
 
 /// CPU seconds (user + system) a process has used so far.
@@ -536,7 +534,20 @@ async fn launch_forwards_signals_and_exits_with_the_ranks_status() {
     let ids = dir.path().join("ids.json");
     std::fs::write(&ids, serde_json::to_string(&g.ids("input_ids")[..40]).unwrap()).unwrap();
     let mut launcher = Command::new(BIN)
-        .args(["launch", "--ranks", "2", "--", "generate", "--model", &s(model_dir("tiny-a")), "--input-ids", &s(&ids), "--greedy", "--max-new-tokens", "1000000"])
+        .args([
+            "launch",
+            "--ranks",
+            "2",
+            "--",
+            "generate",
+            "--model",
+            &s(model_dir("tiny-a")),
+            "--input-ids",
+            &s(&ids),
+            "--greedy",
+            "--max-new-tokens",
+            "1000000",
+        ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -42,7 +42,9 @@ fn render_and_parse_commands() {
         Segment::text("thought"),
         Segment::markup("<|close|>think<|sep|><|open|>response<|sep|>"),
         Segment::text("Hello"),
-        Segment::markup("<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"a\" type=\"number\"<|sep|>"),
+        Segment::markup(
+            "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"a\" type=\"number\"<|sep|>",
+        ),
         Segment::text("3"),
         Segment::markup("<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"),
     ];

@@ -13,9 +13,7 @@ mod support;
 
 /// Where scripts/setup.sh installed the client libraries.
 fn py_clients() -> PathBuf {
-    let dir = std::env::var_os("K3_PY_CLIENTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.deps/pyclients"));
+    let dir = std::env::var_os("K3_PY_CLIENTS").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.deps/pyclients"));
     assert!(
         dir.join("openai").is_dir() && dir.join("anthropic").is_dir(),
         "the openai and anthropic Python SDKs are not in {} (run scripts/setup.sh)",

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mac_decoder::decode::EngineOptions;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::StoreOptions;
+use mac_decoder::engine::mlx_engine::MlxEngine;
+use mac_decoder::engine::StoreOptions;
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 

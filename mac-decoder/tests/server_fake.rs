@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use mac_decoder::server::worker::StoreOptions;
+use mac_decoder::engine::StoreOptions;
 use mac_decoder::tokenizer::{Segment, Tokenizer};
 use serde_json::{json, Value};
 use support::{metric, FakeEngine};
@@ -28,7 +28,12 @@ fn reply(tok: &Tokenizer, prompt: &[u32]) -> Vec<u32> {
     let last_user = text.rsplit("role=\"user\"<|sep|>").next().unwrap_or("").split("<|close|>").next().unwrap_or("").to_string();
     let after_tool = text.rsplit("<|end_of_msg|>").nth(1).is_some_and(|m| m.contains("role=\"tool\""));
     let segs = if after_tool {
-        vec![t("Got the weather."), m("<|close|>think<|sep|><|open|>response<|sep|>"), t("It is 18C in Paris."), m("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")]
+        vec![
+            t("Got the weather."),
+            m("<|close|>think<|sep|><|open|>response<|sep|>"),
+            t("It is 18C in Paris."),
+            m("<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"),
+        ]
     } else if last_user.contains("weather") {
         vec![
             t("Need the weather tool."),
@@ -215,7 +220,8 @@ async fn tool_call_round_trip() {
     let id = calls[0]["id"].as_str().unwrap().to_string();
 
     // Send the call back with its result: the model sees the tool message and answers.
-    messages.push(json!({"role": "assistant", "content": c["message"]["content"], "reasoning_content": c["message"]["reasoning_content"], "tool_calls": calls}));
+    messages
+        .push(json!({"role": "assistant", "content": c["message"]["content"], "reasoning_content": c["message"]["reasoning_content"], "tool_calls": calls}));
     messages.push(json!({"role": "tool", "tool_call_id": id, "content": "{\"temp_c\": 18}"}));
     let (st, v2) = post(&s, "/v1/chat/completions", json!({"messages": messages, "tools": tools})).await;
     assert_eq!(st, 200, "{v2}");
@@ -286,10 +292,7 @@ async fn concurrent_clients_each_get_their_answer() {
             let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.base)).json(&body).send().await.unwrap();
             assert_eq!(r.status(), 200);
             if stream {
-                sse_events(&r.text().await.unwrap())
-                    .iter()
-                    .filter_map(|e| e["choices"][0]["delta"]["content"].as_str().map(str::to_string))
-                    .collect::<String>()
+                sse_events(&r.text().await.unwrap()).iter().filter_map(|e| e["choices"][0]["delta"]["content"].as_str().map(str::to_string)).collect::<String>()
             } else {
                 let v: Value = r.json().await.unwrap();
                 v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
@@ -304,7 +307,7 @@ async fn concurrent_clients_each_get_their_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_completion_equals_the_engine_run_directly() {
-    use mac_decoder::server::engine::GenerationEngine;
+    use mac_decoder::engine::GenerationEngine;
     let s = start(None).await;
     let prompt: Vec<u32> = (0..50).map(|i| (i * 7 % 250) as u32).collect();
     let (st, v) = post(&s, "/v1/completions", json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true})).await;
@@ -345,7 +348,6 @@ async fn bad_requests_get_openai_errors() {
     let cases: Vec<(Value, u16, &str)> = vec![
         (json!({"model": "gpt-4", "messages": user("hi")}), 404, "model"),
         (json!({"messages": user(&long)}), 400, "context"),
-        (json!({"messages": user("hi"), "max_tokens": 5000}), 400, "max_tokens"),
         (json!({"messages": user("hi"), "temperature": 3.5}), 400, "temperature"),
         (json!({"messages": user("hi"), "temperature": "hot"}), 400, "temperature"),
         (json!({"messages": user("hi"), "top_p": 0}), 400, "top_p"),
@@ -357,7 +359,11 @@ async fn bad_requests_get_openai_errors() {
         (json!({"prompt": "hi"}), 400, "messages"),
         (json!({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "role"),
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "image"),
-        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400, "tool_choice"),
+        (
+            json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            400,
+            "tool_choice",
+        ),
         (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}), 400, "tool_choice"),
         (json!({"messages": user("hi"), "reasoning_effort": "extreme"}), 400, "reasoning_effort"),
         (json!({"messages": [{"role": "tool", "content": "orphan result"}]}), 400, "tool"),
@@ -365,12 +371,22 @@ async fn bad_requests_get_openai_errors() {
         (json!({"messages": user("hi"), "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
         (json!([1, 2, 3]), 400, "object"),
     ];
+    // max_tokens past the context left is clamped to it (clients send a fixed 32,000), not refused.
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"messages": user("hi"), "max_tokens": 5000})).await;
+    assert_eq!(st, 200, "{v}");
     for (body, status, word) in cases {
         let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
         assert_eq!(st, status, "{body} -> {v}");
         let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("no error message for {body}: {v}"));
         assert!(msg.contains(word) || v["error"]["param"].as_str().is_some_and(|p| p.contains(word)), "{body} -> {v}");
     }
+    // A 404 for a model id names the ids served (GET /v1/models).
+    let served =
+        client.get(format!("{}/v1/models", s.base)).send().await.unwrap().json::<Value>().await.unwrap()["data"][0]["id"].as_str().unwrap().to_string();
+    let (st, v) = post(&s, "/v1/chat/completions", json!({"model": "kimi-k3-other", "messages": user("hi")})).await;
+    assert_eq!(st, 404, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("`kimi-k3-other`") && msg.contains(&format!("serves `{served}`")), "{msg}");
     for (body, word) in [
         (json!({"prompt": [1, 2, 99999]}), "prompt"),
         (json!({"prompt": {"a": 1}}), "prompt"),
@@ -530,9 +546,12 @@ async fn anthropic_messages_thinking_tools_and_tool_results() {
     assert_eq!(v["type"], "message");
     assert_eq!(v["role"], "assistant");
     assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+    // The signature is this server's seal of the reasoning (it round-trips; see below).
+    let signature = v["content"][0]["signature"].as_str().unwrap().to_string();
+    assert!(signature.starts_with("k3r1."), "{v}");
     assert_eq!(
         v["content"],
-        json!([{"type": "thinking", "thinking": "Thinking about: hello there", "signature": ""}, {"type": "text", "text": "Echo: hello there"}])
+        json!([{"type": "thinking", "thinking": "Thinking about: hello there", "signature": signature}, {"type": "text", "text": "Echo: hello there"}])
     );
     assert_eq!(v["stop_reason"], "end_turn");
     assert_eq!(v["stop_sequence"], Value::Null);
@@ -544,8 +563,13 @@ async fn anthropic_messages_thinking_tools_and_tool_results() {
     assert_eq!(u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(), c["input_tokens"].as_u64().unwrap());
     assert!(u["output_tokens"].as_u64().unwrap() > 10);
     // The same prompt through the OpenAI endpoint renders identically (one pipeline).
-    let (_, o) = post(&s, "/tokenize", json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}],
-                                              "chat_template_kwargs": {"thinking": true, "thinking_effort": "low"}})).await;
+    let (_, o) = post(
+        &s,
+        "/tokenize",
+        json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}],
+                                              "chat_template_kwargs": {"thinking": true, "thinking_effort": "low"}}),
+    )
+    .await;
     assert_eq!(o["count"], c["input_tokens"]);
 
     // Stop sequences cut the text and are named.
@@ -574,7 +598,8 @@ async fn anthropic_messages_thinking_tools_and_tool_results() {
     // The round trip: the assistant turn as returned, a tool_result in the next user turn.
     let mut turn2 = turn1.as_array().unwrap().clone();
     turn2.push(json!({"role": "assistant", "content": v["content"]}));
-    turn2.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": [{"type": "text", "text": "{\"temp_c\": 18}"}]}]}));
+    turn2
+        .push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": [{"type": "text", "text": "{\"temp_c\": 18}"}]}]}));
     let (st, v2) = post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "messages": turn2})).await;
     assert_eq!(st, 200, "{v2}");
     assert_eq!(v2["content"][1], json!({"type": "text", "text": "It is 18C in Paris."}));
@@ -583,9 +608,43 @@ async fn anthropic_messages_thinking_tools_and_tool_results() {
     assert!(v2["usage"]["cache_read_input_tokens"].as_u64().unwrap() > 0, "{v2}");
 
     // tool_choice none: the call the model writes is dropped.
-    let (_, v) = post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "tool_choice": {"type": "none"}, "messages": turn1})).await;
+    let (_, v) =
+        post(&s, "/v1/messages", json!({"max_tokens": 300, "thinking": think, "tools": tools, "tool_choice": {"type": "none"}, "messages": turn1})).await;
     assert!(v["content"].as_array().unwrap().iter().all(|b| b["type"] != "tool_use"), "{v}");
     assert_eq!(v["stop_reason"], "end_turn");
+
+    // Claude Code's shape: thinking adaptive with display "omitted", output_config.effort, a
+    // `system` message inside `messages`, context_management, metadata, cache_control, and
+    // max_tokens past the context (clamped). The thinking block comes back empty with the
+    // sealed signature; sent back as is, the turn re-renders exactly: the whole first turn,
+    // reply included, is reused.
+    let omitted = json!({"type": "adaptive", "display": "omitted"});
+    let extras = json!({"output_config": {"effort": "high"}, "metadata": {"user_id": "u"}, "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}});
+    let t1 = json!([{"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>\n"}, {"type": "text", "text": "tell me", "cache_control": {"type": "ephemeral"}}]},
+                    {"role": "system", "content": "# Environment"}]);
+    let mut b1 = json!({"max_tokens": 32000, "thinking": omitted, "messages": t1});
+    b1.as_object_mut().unwrap().extend(extras.as_object().unwrap().clone());
+    let (st, a) = post(&s, "/v1/messages", b1.clone()).await;
+    assert_eq!(st, 200, "{a}");
+    assert_eq!(a["content"][0]["type"], "thinking");
+    assert_eq!(a["content"][0]["thinking"], "");
+    assert!(a["content"][0]["signature"].as_str().unwrap().starts_with("k3r1."));
+    let u1 = &a["usage"];
+    let prompt1 = u1["input_tokens"].as_u64().unwrap() + u1["cache_read_input_tokens"].as_u64().unwrap();
+    let mut t2 = t1.as_array().unwrap().clone();
+    t2.push(json!({"role": "assistant", "content": a["content"]}));
+    t2.push(json!({"role": "user", "content": "more"}));
+    let mut b2 = b1.clone();
+    b2["messages"] = json!(t2);
+    let (st, a2) = post(&s, "/v1/messages?beta=true", b2.clone()).await;
+    assert_eq!(st, 200, "{a2}");
+    let read = a2["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(read > prompt1, "the reply re-rendered from its signature is reused too: {read} cached, first prompt {prompt1}");
+    // clear_thinking keeping no turn: the old reasoning is not rendered, so less is reused.
+    b2["context_management"] = json!({"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]});
+    let (st, a3) = post(&s, "/v1/messages", b2).await;
+    assert_eq!(st, 200, "{a3}");
+    assert!(a3["usage"]["cache_read_input_tokens"].as_u64().unwrap() < read);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -622,6 +681,11 @@ async fn anthropic_messages_streamed_events() {
                 let i = v["index"].as_u64().unwrap() as usize;
                 assert_eq!(open, Some(i));
                 let d = &v["delta"];
+                if d["type"] == "signature_delta" {
+                    assert_eq!(kinds[i], "thinking", "a signature ends a thinking block");
+                    assert!(d["signature"].as_str().unwrap().starts_with("k3r1."));
+                    continue;
+                }
                 let piece = d["thinking"].as_str().or(d["text"].as_str()).or(d["partial_json"].as_str()).unwrap();
                 texts[i].push_str(piece);
             }
@@ -662,16 +726,52 @@ async fn anthropic_errors_have_anthropics_shape() {
         (json!({"messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "max_tokens"),
         (json!({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}), 404, "not_found_error", "claude-x"),
         (json!({"max_tokens": 5, "messages": []}), 400, "invalid_request_error", "messages"),
-        (json!({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}), 400, "invalid_request_error", "system"),
+        (json!({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}), 400, "invalid_request_error", "role"),
         (json!({"max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "temperature"),
-        (json!({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 10}, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "budget_tokens"),
-        (json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "tool", "name": "nope"}, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "nope"),
-        (json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 2000},
-                "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "thinking"),
-        (json!({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}], "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "server tool"),
-        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}), 400, "invalid_request_error", "not fetched"),
+        (
+            json!({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 10}, "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "budget_tokens",
+        ),
+        (
+            json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "tool", "name": "nope"}, "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "nope",
+        ),
+        (
+            json!({"max_tokens": 5, "tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 2000},
+                "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "thinking",
+        ),
+        (
+            json!({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}], "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "server tool",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}),
+            400,
+            "invalid_request_error",
+            "not fetched",
+        ),
         (json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}), 400, "invalid_request_error", "document"),
-        (json!({"max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}), 400, "invalid_request_error", "context"),
+        (
+            json!({"max_tokens": 5, "thinking": {"type": "adaptive", "display": "hidden"}, "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "display",
+        ),
+        (
+            json!({"max_tokens": 5, "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "some"}]}, "messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            "keep",
+        ),
     ];
     for (body, status, kind, word) in cases {
         let r = client.post(&url).header("x-api-key", "sekret").json(&body).send().await.unwrap();
@@ -794,4 +894,117 @@ async fn n_choices_share_one_prefill() {
     }
     assert_eq!(finishes, 2);
     assert_eq!(texts, [one["choices"][0]["text"].as_str().unwrap(); 2]);
+}
+
+/// The prompt cache is partitioned by `cache_salt` (chat completions, completions, responses,
+/// Anthropic messages at the top level or in `metadata`) and, on a server with several API
+/// keys, by the key: a request reuses, and is told about (`cached_tokens`,
+/// `first_difference`), only held prompts of its own salt and key. The same prompt under
+/// another salt, no salt, or another key starts from nothing. A response stored under one
+/// scope is not found (`previous_response_id`) from another. Before, every client shared one
+/// store: a guessed prompt's `cached_tokens` said whether anyone had sent it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_and_api_keys_partition_the_prompt_cache() {
+    let (dir, tok) = support::synth_tokenizer(VOCAB, CONTEXT);
+    let marker = tok
+        .encode_segments(&[m("<|open|>"), t("message"), t(" role"), t("=\""), t("assistant"), t("\""), m("<|sep|>"), m("<|open|>"), t("think"), m("<|sep|>")])
+        .unwrap();
+    let stop = tok.special_id("<|end_of_msg|>").unwrap();
+    let tok2 = tok.clone();
+    let make = move || Ok(FakeEngine::new(VOCAB, CONTEXT, marker, stop, move |p: &[u32]| reply(&tok2, p)));
+    let mut state = support::app_state(make, StoreOptions { max_sessions: 64, max_bytes: 1 << 30, checkpoints: true }, tok.clone(), "k3-synth");
+    state.api_key = Some("key-one".into());
+    state.more_api_keys = vec!["key-two".into()];
+    let base = format!("http://{}", support::serve(state).await);
+    let _dir = dir;
+    let send = |path: &'static str, key: &'static str, body: Value| {
+        let base = base.clone();
+        async move {
+            let r = reqwest::Client::new().post(format!("{base}{path}")).bearer_auth(key).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let messages = json!([{"role": "system", "content": "You are the assistant of a secret project called Bluebird."}, {"role": "user", "content": "what is the launch date"}]);
+    let chat = |salt: Option<&str>| {
+        let mut b = json!({"messages": messages.clone()});
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let usage = |v: &Value| {
+        (v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), v["usage"]["prompt_tokens_details"]["first_difference"].as_u64().unwrap())
+    };
+
+    let (st, v) = send("/v1/chat/completions", "key-one", chat(Some("alice"))).await;
+    assert_eq!(st, 200, "{v}");
+    let p = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(usage(&v), (0, 0));
+    // the same salt and key: reused
+    let (_, v) = send("/v1/chat/completions", "key-one", chat(Some("alice"))).await;
+    let (cached, _) = usage(&v);
+    assert!(cached > 0 && cached <= p, "the same salt did not reuse its prompt: {v}");
+    // another salt, no salt, the same salt under another key: nothing held, nothing told
+    for (key, salt) in [("key-one", Some("bob")), ("key-one", None), ("key-two", Some("alice"))] {
+        let (st, v) = send("/v1/chat/completions", key, chat(salt)).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(usage(&v), (0, 0), "{key} / {salt:?} saw another scope's prompt: {v}");
+    }
+    // ... and each of those now has its own held prompt
+    let (_, v) = send("/v1/chat/completions", "key-one", chat(None)).await;
+    assert!(usage(&v).0 > 0, "{v}");
+
+    // completions: the same text under two salts
+    let prompt = json!({"prompt": "The Bluebird launch is on", "max_tokens": 2, "cache_salt": "carol"});
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let (st, v) = send("/v1/completions", "key-one", prompt.clone()).await;
+    assert_eq!((st, cached(&v)), (200, 0), "{v}");
+    let (_, v) = send("/v1/completions", "key-one", prompt.clone()).await;
+    assert!(cached(&v) > 0, "{v}");
+    let mut other = prompt.clone();
+    other["cache_salt"] = json!("dave");
+    let (_, v) = send("/v1/completions", "key-one", other).await;
+    assert_eq!(cached(&v), 0, "{v}");
+
+    // Anthropic messages: metadata.cache_salt and the top-level field are one salt
+    let am = |salt: Value| {
+        let mut b = json!({"model": "k3-synth", "max_tokens": 64, "system": "Bluebird notes.", "messages": [{"role": "user", "content": "the launch date?"}]});
+        b.as_object_mut().unwrap().extend(salt.as_object().unwrap().clone());
+        b
+    };
+    let read = |v: &Value| v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    let (st, v) = send("/v1/messages", "key-one", am(json!({"metadata": {"cache_salt": "erin"}}))).await;
+    assert_eq!((st, read(&v)), (200, 0), "{v}");
+    let (_, v) = send("/v1/messages", "key-one", am(json!({"cache_salt": "erin"}))).await;
+    assert!(read(&v) > 0, "{v}");
+    let (_, v) = send("/v1/messages", "key-one", am(json!({"metadata": {"cache_salt": "frank"}}))).await;
+    assert_eq!(read(&v), 0, "{v}");
+    let (st, v) = send("/v1/messages", "key-one", am(json!({"cache_salt": "erin", "metadata": {"cache_salt": "frank"}}))).await;
+    assert_eq!(st, 400, "{v}");
+
+    // responses: cached tokens and stored responses per scope
+    let (st, v) = send("/v1/responses", "key-one", json!({"input": "Bluebird status?", "cache_salt": "gina"})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["input_tokens_details"]["cached_tokens"].as_u64(), Some(0));
+    let id = v["id"].as_str().unwrap().to_string();
+    let (st, v) = send("/v1/responses", "key-one", json!({"input": "more", "previous_response_id": id, "cache_salt": "gina"})).await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{v}");
+    for (key, salt) in [("key-one", json!("hank")), ("key-one", Value::Null), ("key-two", json!("gina"))] {
+        let (st, v) = send("/v1/responses", key, json!({"input": "more", "previous_response_id": id, "cache_salt": salt})).await;
+        assert_eq!(st, 404, "{key} / {salt}: {v}");
+    }
+
+    // a salt that would not separate is refused
+    for bad in [json!(""), json!(5), json!("x".repeat(2000))] {
+        let mut b = chat(None);
+        b["cache_salt"] = bad.clone();
+        let (st, v) = send("/v1/chat/completions", "key-one", b).await;
+        assert_eq!(st, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["param"], "cache_salt");
+    }
+    // either key is accepted, another is not
+    let (st, _) = send("/v1/chat/completions", "key-three", chat(None)).await;
+    assert_eq!(st, 401);
 }

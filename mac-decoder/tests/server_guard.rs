@@ -6,9 +6,9 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mac_decoder::engine::{EngineHandle, StoreOptions};
 use mac_decoder::server::guard::GuardOptions;
 use mac_decoder::server::router;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
 use serde_json::json;
 use support::FakeEngine;
 
@@ -23,11 +23,16 @@ struct Server {
 }
 
 async fn start(api_key: Option<&str>, guard: GuardOptions, step_delay: Duration) -> Server {
-    let (dir, tok) = support::synth_tokenizer(VOCAB, 3000);
+    start_with_context(api_key, guard, step_delay, 3000).await
+}
+
+/// [`start`] with a model context of `context` tokens.
+async fn start_with_context(api_key: Option<&str>, guard: GuardOptions, step_delay: Duration, context: usize) -> Server {
+    let (dir, tok) = support::synth_tokenizer(VOCAB, context);
     let stop = tok.special_id("<|end_of_msg|>").unwrap();
     let make = move || {
         // Replies with 20 ordinary tokens, then stops.
-        let mut e = FakeEngine::new(VOCAB, 3000, vec![], stop, move |_: &[u32]| {
+        let mut e = FakeEngine::new(VOCAB, context, vec![], stop, move |_: &[u32]| {
             let mut v: Vec<u32> = (300..320).collect();
             v.push(stop);
             v
@@ -88,11 +93,10 @@ async fn without_a_key_only_loopback_json_requests_are_served() {
     // A host named with --allow-host is served.
     let s = start(None, GuardOptions { allowed_hosts: vec!["box.lan".into()], ..Default::default() }, Duration::ZERO).await;
     let a = s.addr;
-    let code = tokio::task::spawn_blocking(move || {
-        raw(a, "POST /v1/completions HTTP/1.1\r\nHost: box.lan:8000\r\nContent-Type: application/json", &completion()).0
-    })
-    .await
-    .unwrap();
+    let code =
+        tokio::task::spawn_blocking(move || raw(a, "POST /v1/completions HTTP/1.1\r\nHost: box.lan:8000\r\nContent-Type: application/json", &completion()).0)
+            .await
+            .unwrap();
     assert_eq!(code, 200);
 }
 
@@ -226,15 +230,9 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(mac_decoder::server::guard::serve(
-        listener,
-        router(state),
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let server = tokio::spawn(mac_decoder::server::guard::serve(listener, router(state), Duration::from_secs(1), Duration::from_secs(5), async move {
+        let _ = stop_rx.await;
+    }));
     let closed_after = tokio::task::spawn_blocking(move || {
         let mut c = std::net::TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
@@ -256,25 +254,18 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
 
 /// Request preparation runs off the async workers (issue 21: tokenization ran on them, so
 /// `/health` stalled 4–5 s under large bodies). Three large completions (a text prompt of about
-/// 4 MB each, tokenized, then refused: far past the context) are sent while `/health` is polled
+/// 12 MB each, more than 3M tokens, tokenized until they pass the context of 2M tokens —
+/// tokenizing stops there — then refused; 4 MB against 1M tokens took 0.19 s on CI, too quick
+/// to show a stall) are sent while `/health` is polled
 /// from another thread; `/health` must answer within a quarter of the time the quickest large
 /// request took. Before, with the server's two workers busy tokenizing, it waited about as long
 /// as a large request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_body_does_not_stall_other_requests() {
-    let s = start(None, GuardOptions::default(), Duration::ZERO).await;
+    let s = start_with_context(None, GuardOptions::default(), Duration::ZERO, 1 << 21).await;
     let addr = s.addr;
     // Varied words, so the tokenizer does real work on every one.
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut text = String::with_capacity(4 << 20);
-    while text.len() < 4 << 20 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let len = 2 + (x % 9) as usize;
-        text.extend((0..len).map(|k| (b'a' + ((x >> (5 * k)) % 26) as u8) as char));
-        text.push(if x % 7 == 0 { '\n' } else { ' ' });
-    }
+    let text = support::varied_words(12 << 20, 0x9E37_79B9_7F4A_7C15);
     let body = Arc::new(json!({"prompt": text, "max_tokens": 1}).to_string());
     let head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json";
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -309,7 +300,10 @@ async fn a_large_body_does_not_stall_other_requests() {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let (worst, polls) = health.join().unwrap();
     let quickest = big.iter().map(|b| b.2).fold(f64::MAX, f64::min);
-    eprintln!("large requests took {:?} s; /health answered {polls} times, worst {worst:.3} s", big.iter().map(|b| (b.2 * 1000.0).round() / 1000.0).collect::<Vec<_>>());
+    eprintln!(
+        "large requests took {:?} s; /health answered {polls} times, worst {worst:.3} s",
+        big.iter().map(|b| (b.2 * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+    );
     for (code, out, _) in &big {
         assert_eq!(*code, 400, "{}", &out[..out.len().min(400)]);
         assert!(out.contains("context_length_exceeded"), "{}", &out[..out.len().min(400)]);

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use mac_decoder::server::worker::StoreOptions;
+use mac_decoder::engine::StoreOptions;
 use mac_decoder::server::AppState;
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -144,10 +144,7 @@ mod mlx {
         // One PNG between two text parts.
         let a = image_bytes(84, 50, 1, image::ImageFormat::Png);
         let fa = vision::encode_image_bytes(&enc, &a).unwrap();
-        let body = chat(
-            json!([{"type": "text", "text": "What is this?"}, image_part(&data_url("image/png", &a)), {"type": "text", "text": "Be brief."}]),
-            8,
-        );
+        let body = chat(json!([{"type": "text", "text": "What is this?"}, image_part(&data_url("image/png", &a)), {"type": "text", "text": "Be brief."}]), 8);
         let (status, v) = post(&s, &body).await;
         assert_eq!(status, 200, "{v}");
         let prompt = ids(&v["prompt_token_ids"]);
@@ -182,10 +179,7 @@ mod mlx {
         // Another image of the same size has the same token ids but must not reuse that state.
         let b = image_bytes(84, 50, 77, image::ImageFormat::Png);
         let fb = vision::encode_image_bytes(&enc, &b).unwrap();
-        let body_b = chat(
-            json!([{"type": "text", "text": "What is this?"}, image_part(&data_url("image/png", &b)), {"type": "text", "text": "Be brief."}]),
-            8,
-        );
+        let body_b = chat(json!([{"type": "text", "text": "What is this?"}, image_part(&data_url("image/png", &b)), {"type": "text", "text": "Be brief."}]), 8);
         let (_, v3) = post(&s, &body_b).await;
         assert_eq!(ids(&v3["prompt_token_ids"]), prompt, "same size, same ids");
         assert_eq!(v3["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0));

@@ -47,17 +47,11 @@ fn check_variant(v: &Variant) {
 
     // reference: the CPU prefiller
     let ck = Arc::new(k3_protocol::Checkpoint::open(&report.dir).unwrap());
-    let model = cuda_prefiller::model::Model::new(
-        Arc::new(cuda_prefiller::cpu::CpuBackend),
-        ck,
-        cuda_prefiller::model::WeightPolicy::Resident,
-    )
-    .unwrap();
+    let model = cuda_prefiller::model::Model::new(Arc::new(cuda_prefiller::cpu::CpuBackend), ck, cuda_prefiller::model::WeightPolicy::Resident).unwrap();
     let mut ref_state = HandoffState::empty(c);
     let ref_out = executor::prefill(&model, &mut ref_state, PrefillInput::tokens(&ids), &ExecOptions::default(), |_| Ok(())).unwrap();
     // rows whose router margin is below ~1e-5 may legitimately differ: list them
-    let exempt: Vec<usize> =
-        (0..ids.len()).filter(|&r| ref_out.topk_gap.iter().any(|(_, g)| g[r] < 1e-5)).collect();
+    let exempt: Vec<usize> = (0..ids.len()).filter(|&r| ref_out.topk_gap.iter().any(|(_, g)| g[r] < 1e-5)).collect();
 
     // MLX: local prefill
     let engine = Engine::load(&report.dir).unwrap();

@@ -33,10 +33,7 @@ fn chunking_cases_encode_to_their_ids() {
         assert_eq!(tok.encode_with_limits(text, true, limits).unwrap(), ids(&case["ids"]), "chunked case {}", case["name"]);
     }
     for case in c["outer"].as_array().unwrap() {
-        let limits = EncodeLimits {
-            max_chars: case["max_chars"].as_u64().unwrap() as usize,
-            max_run: case["max_run"].as_u64().unwrap() as usize,
-        };
+        let limits = EncodeLimits { max_chars: case["max_chars"].as_u64().unwrap() as usize, max_run: case["max_run"].as_u64().unwrap() as usize };
         let text = case["text"].as_str().unwrap();
         assert_eq!(tok.encode_with_limits(text, true, limits).unwrap(), ids(&case["ids"]), "outer case {}", case["name"]);
     }
@@ -47,7 +44,15 @@ fn special_block_follows_the_release() {
     let tok = tokenizer();
     assert_eq!(tok.vocab_size(), 163_840);
     assert_eq!(tok.n_base(), 163_584);
-    for (name, id) in [("<|open|>", 163587), ("<|close|>", 163588), ("<|sep|>", 163589), ("<|end_of_msg|>", 163586), ("[EOS]", 163585), ("<|media_pad|>", 163605), ("<|reserved_token_163592|>", 163592)] {
+    for (name, id) in [
+        ("<|open|>", 163587),
+        ("<|close|>", 163588),
+        ("<|sep|>", 163589),
+        ("<|end_of_msg|>", 163586),
+        ("[EOS]", 163585),
+        ("<|media_pad|>", 163605),
+        ("<|reserved_token_163592|>", 163592),
+    ] {
         assert_eq!(tok.special_id(name), Some(id), "{name}");
     }
     // A named slot has no reserved spelling.

@@ -34,10 +34,7 @@ fn attention_blocks_are_evaluated_one_at_a_time() {
     let peak = mlx_rs::memory::peak_memory().unwrap().saturating_sub(before);
     eprintln!("peak MLX memory above the start: {:.1} MB (all scores at once: {:.1} MB)", peak as f64 / 1e6, all_scores as f64 / 1e6);
     assert!(peak > 0, "MLX reports no memory use: the measurement does not work here");
-    assert!(
-        peak < all_scores / 2,
-        "peak {peak} B: the query blocks of {block} B were not evaluated one at a time (all scores: {all_scores} B)"
-    );
+    assert!(peak < all_scores / 2, "peak {peak} B: the query blocks of {block} B were not evaluated one at a time (all scores: {all_scores} B)");
 }
 
 #[test]

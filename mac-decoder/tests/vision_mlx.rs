@@ -3,10 +3,7 @@
 #![cfg(feature = "mlx")]
 
 use mac_decoder::vision::resample::Image8;
-use mac_decoder::vision::{
-    preprocess::preprocess_image, reference, MediaProcConfig, MlxVisionEncoder, NormEps, VisionEncoder, VisionTrace,
-    VisionWeights,
-};
+use mac_decoder::vision::{preprocess::preprocess_image, reference, MediaProcConfig, MlxVisionEncoder, NormEps, VisionEncoder, VisionTrace, VisionWeights};
 use safetensors::SafeTensors;
 
 fn golden_f32(st: &SafeTensors, name: &str) -> Vec<f32> {
@@ -69,7 +66,16 @@ fn mlx_tower_matches_golden_tiny_a() {
     assert!(worst <= 1e-4, "MLX vs golden:\n{report}");
 }
 
-fn config(base: &k3_protocol::VisionConfig, d: usize, heads: usize, qkv: usize, inter: usize, layers: usize, pos: (usize, usize), text: usize) -> k3_protocol::VisionConfig {
+fn config(
+    base: &k3_protocol::VisionConfig,
+    d: usize,
+    heads: usize,
+    qkv: usize,
+    inter: usize,
+    layers: usize,
+    pos: (usize, usize),
+    text: usize,
+) -> k3_protocol::VisionConfig {
     let mut c = base.clone();
     c.vt_hidden_size = d;
     c.mm_hidden_size = d;

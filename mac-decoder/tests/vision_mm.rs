@@ -63,19 +63,11 @@ fn mm_logits_through_the_cpu_prefiller() {
     let pad = ck.config().media_placeholder_token_id;
     let e = expand_media(&g.ids("mm.input_ids"), pad, &features).unwrap();
     assert_eq!(e.ids, g.ids("mm.input_ids_expanded"));
-    let ov = EmbeddingOverrides {
-        positions: e.overrides.iter().map(|o| o.0).collect(),
-        rows: e.overrides.iter().flat_map(|o| o.1.iter().copied()).collect(),
-    };
-    let model = cuda_prefiller::model::Model::new(
-        Arc::new(cuda_prefiller::cpu::CpuBackend),
-        ck.clone(),
-        cuda_prefiller::model::WeightPolicy::Resident,
-    )
-    .unwrap();
+    let ov = EmbeddingOverrides { positions: e.overrides.iter().map(|o| o.0).collect(), rows: e.overrides.iter().flat_map(|o| o.1.iter().copied()).collect() };
+    let model =
+        cuda_prefiller::model::Model::new(Arc::new(cuda_prefiller::cpu::CpuBackend), ck.clone(), cuda_prefiller::model::WeightPolicy::Resident).unwrap();
     let mut st = HandoffState::empty(&model.cfg);
-    let out = executor::prefill(&model, &mut st, PrefillInput { tokens: &e.ids, overrides: Some(&ov) }, &ExecOptions::default(), |_| Ok(()))
-        .unwrap();
+    let out = executor::prefill(&model, &mut st, PrefillInput { tokens: &e.ids, overrides: Some(&ov) }, &ExecOptions::default(), |_| Ok(())).unwrap();
     let vocab = ck.config().text_config.vocab_size;
     let (row, err) = worst_row(&out.logits, &g.f32("mm.logits"), vocab);
     eprintln!("CPU prefiller mm.logits: worst row {row}, relative error {err:.2e}");
@@ -140,16 +132,10 @@ mod mlx {
             want.push(argmax(&engine.step(&mut local, *want.last().unwrap()).unwrap()));
         }
 
-        let model = cuda_prefiller::model::Model::new(
-            Arc::new(cuda_prefiller::cpu::CpuBackend),
-            ck.clone(),
-            cuda_prefiller::model::WeightPolicy::Resident,
-        )
-        .unwrap();
-        let ov = EmbeddingOverrides {
-            positions: e.overrides.iter().map(|o| o.0).collect(),
-            rows: e.overrides.iter().flat_map(|o| o.1.iter().copied()).collect(),
-        };
+        let model =
+            cuda_prefiller::model::Model::new(Arc::new(cuda_prefiller::cpu::CpuBackend), ck.clone(), cuda_prefiller::model::WeightPolicy::Resident).unwrap();
+        let ov =
+            EmbeddingOverrides { positions: e.overrides.iter().map(|o| o.0).collect(), rows: e.overrides.iter().flat_map(|o| o.1.iter().copied()).collect() };
         let mut st = HandoffState::empty(&model.cfg);
         let opts = ExecOptions { logits: executor::LogitsRows::Last, ..ExecOptions::default() };
         let out = executor::prefill(&model, &mut st, PrefillInput { tokens: &e.ids, overrides: Some(&ov) }, &opts, |_| Ok(())).unwrap();

@@ -43,8 +43,7 @@ fn tiny_a_pixels_and_grid_equal_golden_exactly() {
     let (shape, golden) = tensor_f32(&st, "vision.pixel_values");
     assert_eq!(shape, vec![img.n_patches(), 3, 14, 14]);
     assert_eq!(img.pixel_values.len(), golden.len());
-    let bad: Vec<usize> =
-        (0..golden.len()).filter(|&i| img.pixel_values[i].to_bits() != golden[i].to_bits()).take(5).collect();
+    let bad: Vec<usize> = (0..golden.len()).filter(|&i| img.pixel_values[i].to_bits() != golden[i].to_bits()).take(5).collect();
     assert!(bad.is_empty(), "pixel_values differ at {bad:?}: {:?}", bad.iter().map(|&i| (img.pixel_values[i], golden[i])).collect::<Vec<_>>());
     assert_eq!(img.original_size, (80, 50));
     assert_eq!(img.num_tokens(), 6);
@@ -92,8 +91,21 @@ fn spec_examples_of_the_resize_rule() {
 fn resize_rule_invariants_over_many_sizes() {
     let cfg = MediaProcConfig::k3_default();
     let sizes = [
-        (1, 1), (13, 1), (1, 13), (27, 29), (28, 28), (29, 27), (81, 49), (7168, 7168), (7169, 5),
-        (100_000, 30), (30, 100_000), (20_000, 20_000), (3585, 3585), (5000, 3000), (12345, 678),
+        (1, 1),
+        (13, 1),
+        (1, 13),
+        (27, 29),
+        (28, 28),
+        (29, 27),
+        (81, 49),
+        (7168, 7168),
+        (7169, 5),
+        (100_000, 30),
+        (30, 100_000),
+        (20_000, 20_000),
+        (3585, 3585),
+        (5000, 3000),
+        (12345, 678),
     ];
     for (w, h) in sizes {
         let p = resize_plan(w, h, &cfg).unwrap();
@@ -141,7 +153,13 @@ fn fully_transparent_image_becomes_the_chessboard() {
     for y in 0..56 {
         for x in 0..56 {
             let v = denorm(at(x, y, 1));
-            let expect = if y >= 30 { 0.0 } else if ((x / 8) + (y / 8)) % 2 == 0 { 255.0 } else { 180.0 };
+            let expect = if y >= 30 {
+                0.0
+            } else if ((x / 8) + (y / 8)) % 2 == 0 {
+                255.0
+            } else {
+                180.0
+            };
             assert!((v - expect).abs() < 1e-3, "({x},{y}) = {v}, expected {expect}");
         }
     }
@@ -215,25 +233,12 @@ fn odd_wide_tall_and_tiny_images() {
 fn jpeg_and_webp_decode() {
     let img = Image8::new(40, 30, 3, (0..40 * 30 * 3).map(|i| (i % 256) as u8).collect());
     let mut jpg = Vec::new();
-    image::ImageEncoder::write_image(
-        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 95),
-        &img.data,
-        40,
-        30,
-        image::ExtendedColorType::Rgb8,
-    )
-    .unwrap();
+    image::ImageEncoder::write_image(image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 95), &img.data, 40, 30, image::ExtendedColorType::Rgb8)
+        .unwrap();
     let d = decode(&jpg).unwrap();
     assert_eq!((d.width, d.height, d.channels), (40, 30, 3));
     let mut webp = Vec::new();
-    image::ImageEncoder::write_image(
-        image::codecs::webp::WebPEncoder::new_lossless(&mut webp),
-        &img.data,
-        40,
-        30,
-        image::ExtendedColorType::Rgb8,
-    )
-    .unwrap();
+    image::ImageEncoder::write_image(image::codecs::webp::WebPEncoder::new_lossless(&mut webp), &img.data, 40, 30, image::ExtendedColorType::Rgb8).unwrap();
     let d = decode(&webp).unwrap();
     assert_eq!(d.data, img.data);
 }
@@ -265,5 +270,8 @@ fn preprocessor_config_json() {
     let c = MediaProcConfig::from_json(no_bg).unwrap();
     assert_eq!((c.transparent_bg, c.fill_stage), (None, FillStage::BeforeResize));
     assert!(MediaProcConfig::from_json(r#"{"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 1, "patch_limit_on_one_side": 512}"#).is_err());
-    assert!(MediaProcConfig::from_json(r#"{"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 100, "patch_limit_on_one_side": 512, "fixed_output_tokens": 64}"#).is_err());
+    assert!(MediaProcConfig::from_json(
+        r#"{"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 100, "patch_limit_on_one_side": 512, "fixed_output_tokens": 64}"#
+    )
+    .is_err());
 }

@@ -1,8 +1,6 @@
 //! Media-token expansion (spec §5.5) against golden tiny-a `mm.input_ids(_expanded)`.
 
-use mac_decoder::vision::prompt::{
-    expand_media, expand_media_ids, image_prompt_text, render_image_placeholders, PromptError, IMAGE_PLACEHOLDER,
-};
+use mac_decoder::vision::prompt::{expand_media, expand_media_ids, image_prompt_text, render_image_placeholders, PromptError, IMAGE_PLACEHOLDER};
 use mac_decoder::vision::ImageFeatures;
 use safetensors::SafeTensors;
 
@@ -11,13 +9,7 @@ fn golden_ids(st: &SafeTensors, name: &str) -> Vec<u32> {
 }
 
 fn features(rows: usize, dim: usize, tag: f32) -> ImageFeatures {
-    ImageFeatures {
-        rows,
-        dim,
-        data: (0..rows * dim).map(|i| tag + i as f32).collect(),
-        grid_thw: [1, 2, 2 * rows],
-        original_size: (10, 10),
-    }
+    ImageFeatures { rows, dim, data: (0..rows * dim).map(|i| tag + i as f32).collect(), grid_thw: [1, 2, 2 * rows], original_size: (10, 10) }
 }
 
 #[test]
@@ -64,17 +56,9 @@ fn count_mismatches_are_errors() {
 
 #[test]
 fn placeholder_text_is_the_k3_media_block() {
-    assert_eq!(
-        image_prompt_text(80, 50, 1),
-        "<|media_begin|>image 80x50<|media_content|><|media_pad|><|media_end|>"
-    );
+    assert_eq!(image_prompt_text(80, 50, 1), "<|media_begin|>image 80x50<|media_content|><|media_pad|><|media_end|>");
     assert_eq!(image_prompt_text(3, 4, 3).matches("<|media_pad|>").count(), 3);
-    let t = render_image_placeholders(
-        "see <|kimi_image_placeholder|> and <|kimi_image_placeholder|>!",
-        IMAGE_PLACEHOLDER,
-        &[(80, 50), (1, 2)],
-    )
-    .unwrap();
+    let t = render_image_placeholders("see <|kimi_image_placeholder|> and <|kimi_image_placeholder|>!", IMAGE_PLACEHOLDER, &[(80, 50), (1, 2)]).unwrap();
     assert_eq!(
         t,
         "see <|media_begin|>image 80x50<|media_content|><|media_pad|><|media_end|> and \

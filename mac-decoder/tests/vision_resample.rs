@@ -4,15 +4,8 @@
 use mac_decoder::vision::preprocess::decode;
 use mac_decoder::vision::resample::{resize_channels, resize_rgba};
 
-const CASES: [(&str, usize, usize); 7] = [
-    ("rgb_down", 40, 25),
-    ("rgb_up", 75, 50),
-    ("rgb_h_only", 33, 7),
-    ("rgb_v_only", 9, 31),
-    ("rgb_wide", 224, 14),
-    ("rgba_down", 23, 17),
-    ("rgba_up", 27, 21),
-];
+const CASES: [(&str, usize, usize); 7] =
+    [("rgb_down", 40, 25), ("rgb_up", 75, 50), ("rgb_h_only", 33, 7), ("rgb_v_only", 9, 31), ("rgb_wide", 224, 14), ("rgba_down", 23, 17), ("rgba_up", 27, 21)];
 
 #[test]
 fn bicubic_resize_equals_pillow() {
@@ -42,11 +35,8 @@ fn transparent_resized_image_pipeline_equals_numpy_pillow() {
     let img = preprocess_bytes(&std::fs::read(dir.join("pipeline.in.png")).unwrap(), &cfg).unwrap();
     assert_eq!((img.plan.new_width, img.plan.new_height, img.plan.pad_width, img.plan.pad_height), (56, 16, 0, 12));
     assert_eq!(img.grid_thw, [1, 2, 4]);
-    let want: Vec<f32> = std::fs::read(dir.join("pipeline.pixel_values.f32"))
-        .unwrap()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let want: Vec<f32> =
+        std::fs::read(dir.join("pipeline.pixel_values.f32")).unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
     assert_eq!(img.pixel_values.len(), want.len());
     let diff: Vec<usize> = (0..want.len()).filter(|&i| img.pixel_values[i].to_bits() != want[i].to_bits()).collect();
     assert!(diff.is_empty(), "{} values differ, first at {:?}", diff.len(), diff.first());

@@ -83,7 +83,7 @@ fn one_image_is_independent_of_another() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = synth(tmp.path(), &variants()[0].ov, 3);
     let w = VisionWeights::load(&ck).unwrap();
-    let media = MediaProcConfig::load(ck.dir(), &w.cfg).unwrap();
+    let media = MediaProcConfig::load(ck.dir(), &w.cfg, mac_decoder::memory::budget(None, 0)).unwrap();
     let a = preprocess_image(&image(40, 30, false), &media).unwrap();
     let r1 = reference::encode(&w, &a, NormEps::Bf16).unwrap();
     let r2 = reference::encode(&w, &a, NormEps::Bf16).unwrap();
@@ -148,28 +148,21 @@ mod mlx {
             assert_eq!(e.ids.len(), ids.len() - 2 + feats[0].rows + feats[1].rows);
             let engine = Engine::load(ck.dir()).unwrap();
             let mut s = engine.new_session().unwrap();
-            let embeds = ImageEmbeds {
-                rows: feats.iter().map(|f| f.rows).sum(),
-                data: feats.iter().flat_map(|f| f.data.iter().copied()).collect(),
-            };
+            let embeds = ImageEmbeds { rows: feats.iter().map(|f| f.rows).sum(), data: feats.iter().flat_map(|f| f.data.iter().copied()).collect() };
             let local = engine.prefill_logits(&mut s, &e.ids, Some(&embeds)).unwrap();
-            let model = cuda_prefiller::model::Model::new(
-                Arc::new(cuda_prefiller::cpu::CpuBackend),
-                ck.clone(),
-                cuda_prefiller::model::WeightPolicy::Resident,
-            )
-            .unwrap();
+            let model = cuda_prefiller::model::Model::new(Arc::new(cuda_prefiller::cpu::CpuBackend), ck.clone(), cuda_prefiller::model::WeightPolicy::Resident)
+                .unwrap();
             let ov = EmbeddingOverrides {
                 positions: e.overrides.iter().map(|o| o.0).collect(),
                 rows: e.overrides.iter().flat_map(|o| o.1.iter().copied()).collect(),
             };
             let mut st = HandoffState::empty(&model.cfg);
-            let out = executor::prefill(&model, &mut st, PrefillInput { tokens: &e.ids, overrides: Some(&ov) }, &ExecOptions::default(), |_| Ok(()))
-                .unwrap();
+            let out = executor::prefill(&model, &mut st, PrefillInput { tokens: &e.ids, overrides: Some(&ov) }, &ExecOptions::default(), |_| Ok(())).unwrap();
             let err = max_row_rel(&local, &out.logits, cfg.text_config.vocab_size);
             assert!(err <= 1e-3, "{}: MLX local prefill vs CPU prefiller logits {err:.2e}", v.name);
             // The image rows matter: without them (plain pad embeddings) the logits change.
-            let model_plain = executor::prefill(&model, &mut HandoffState::empty(&model.cfg), PrefillInput::tokens(&e.ids), &ExecOptions::default(), |_| Ok(())).unwrap();
+            let model_plain =
+                executor::prefill(&model, &mut HandoffState::empty(&model.cfg), PrefillInput::tokens(&e.ids), &ExecOptions::default(), |_| Ok(())).unwrap();
             assert!(max_row_rel(&model_plain.logits, &out.logits, cfg.text_config.vocab_size) > 1e-2);
         }
     }

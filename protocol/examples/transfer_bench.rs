@@ -21,8 +21,8 @@ use std::time::Instant;
 use k3_protocol::fingerprint::Fingerprint;
 use k3_protocol::handoff::LayerState;
 use k3_protocol::transport::*;
-use k3_protocol::wire::chunker::part_bytes;
 use k3_protocol::wire::checksum::crc_append;
+use k3_protocol::wire::chunker::part_bytes;
 use k3_protocol::wire::*;
 
 struct Args {

@@ -13,6 +13,8 @@ use crate::config::{ConfigError, K3Config};
 use crate::mxfp4::{Mxfp4Error, Mxfp4Weight};
 use crate::tensors::{all_tensors, expert_tensor, DType};
 
+pub mod writer;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error(transparent)]
@@ -31,6 +33,9 @@ pub enum CheckpointError {
     Mxfp4 { name: String, source: Mxfp4Error },
     #[error("tensor layer {layer}: {source}")]
     Layer { layer: usize, source: std::sync::Arc<CheckpointError> },
+    /// An error found once and answered again (a verification result kept per process).
+    #[error(transparent)]
+    Shared(std::sync::Arc<CheckpointError>),
 }
 
 /// Where one tensor lives.
@@ -63,15 +68,8 @@ impl TensorView<'_> {
     pub fn to_f32(&self) -> Result<Vec<f32>, CheckpointError> {
         match self.dtype {
             DType::F32 => Ok(self.bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
-            DType::BF16 => Ok(self
-                .bytes
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-                .collect()),
-            DType::U8 => Err(CheckpointError::Tensor {
-                name: self.name.to_string(),
-                msg: "is U8 (MXFP4 packed data); decode it through mxfp4".into(),
-            }),
+            DType::BF16 => Ok(self.bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect()),
+            DType::U8 => Err(CheckpointError::Tensor { name: self.name.to_string(), msg: "is U8 (MXFP4 packed data); decode it through mxfp4".into() }),
         }
     }
 }
@@ -79,6 +77,8 @@ impl TensorView<'_> {
 struct Shard {
     name: String,
     map: Mmap,
+    /// Where the data section starts (after the length and the header).
+    data_start: usize,
 }
 
 /// The digest cache of one checkpoint's weights, and the per-layer verification state (filled by
@@ -88,6 +88,8 @@ pub(crate) struct IdentityCache {
     pub(crate) digest: std::sync::OnceLock<crate::weight_digest::WeightDigest>,
     /// `Some(result)` once a layer was verified in this process.
     pub(crate) layers: std::sync::Mutex<HashMap<usize, Result<(), std::sync::Arc<CheckpointError>>>>,
+    /// Set once the tensors outside the decoder layers were verified in this process.
+    pub(crate) outside_layers: std::sync::OnceLock<Result<(), std::sync::Arc<CheckpointError>>>,
 }
 
 /// An opened checkpoint.
@@ -124,12 +126,7 @@ fn parse_dtype(s: &str) -> Option<DType> {
 }
 
 /// Parses a safetensors header from a mapped shard, checking every range lies in the file.
-fn read_header(
-    name: &str,
-    map: &[u8],
-    shard_idx: usize,
-    problems: &mut Vec<String>,
-) -> Result<Vec<(String, TensorEntry)>, CheckpointError> {
+fn read_header(name: &str, map: &[u8], shard_idx: usize, problems: &mut Vec<String>) -> Result<Vec<(String, TensorEntry)>, CheckpointError> {
     let err = |msg: String| CheckpointError::Shard { shard: name.to_string(), msg };
     if map.len() < 8 {
         return Err(err(format!("file is {} bytes, too short for a safetensors header", map.len())));
@@ -138,8 +135,16 @@ fn read_header(
     if n > map.len() - 8 || n > 100 << 20 {
         return Err(err(format!("header length {n} exceeds the file size {} (truncated?)", map.len())));
     }
-    let header: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&map[8..8 + n]).map_err(|e| err(format!("header JSON: {e}")))?;
+    let HeaderEntries(mut header) = serde_json::from_slice(&map[8..8 + n]).map_err(|e| err(format!("header JSON: {e}")))?;
+    // A name twice: JSON parsers keep one of the two (which one differs between them), so the
+    // bytes a reader uses would depend on the reader.
+    let mut seen = std::collections::HashSet::with_capacity(header.len());
+    for (tname, _) in &header {
+        if !seen.insert(tname.as_str()) {
+            return Err(err(format!("the header names tensor {tname:?} twice")));
+        }
+    }
+    header.sort_by(|a, b| a.0.cmp(&b.0));
     let base = 8 + n;
     let mut out = Vec::new();
     for (tname, v) in header {
@@ -155,10 +160,7 @@ fn read_header(
         // Checked: a hostile header may hold shapes or offsets whose products overflow.
         let nbytes = e.shape.iter().try_fold(dtype.size(), |a, &d| a.checked_mul(d));
         if t < s || Some(t - s) != nbytes {
-            problems.push(format!(
-                "{tname} in {name}: data_offsets {s}..{t} do not match shape {:?} {}",
-                e.shape, e.dtype
-            ));
+            problems.push(format!("{tname} in {name}: data_offsets {s}..{t} do not match shape {:?} {}", e.shape, e.dtype));
             continue;
         }
         if base.checked_add(t).is_none_or(|end| end > map.len()) {
@@ -175,6 +177,29 @@ fn read_header(
     Ok(out)
 }
 
+/// A safetensors header's entries in file order, duplicates kept (a map would drop them).
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = HeaderEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensor entries")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<HeaderEntries, A::Error> {
+                let mut v = Vec::new();
+                while let Some(e) = m.next_entry::<String, serde_json::Value>()? {
+                    v.push(e);
+                }
+                Ok(HeaderEntries(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 impl Checkpoint {
     /// Opens and fully validates a checkpoint directory.
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
@@ -188,10 +213,9 @@ impl Checkpoint {
         let config = K3Config::load(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
         let io = |path: &Path, source| CheckpointError::Io { path: path.display().to_string(), source };
-        let text = crate::files::read_regular_to_string(&index_path, crate::config::limits::JSON_FILE_BYTES)
-            .map_err(|e| io(&index_path, e))?;
-        let index: IndexFile = serde_json::from_str(&text)
-            .map_err(|e| CheckpointError::Index { path: index_path.display().to_string(), msg: e.to_string() })?;
+        let text = crate::files::read_regular_to_string(&index_path, crate::config::limits::JSON_FILE_BYTES).map_err(|e| io(&index_path, e))?;
+        let index: IndexFile =
+            serde_json::from_str(&text).map_err(|e| CheckpointError::Index { path: index_path.display().to_string(), msg: e.to_string() })?;
         let _ = index.metadata;
         let mut shard_names: Vec<String> = index.weight_map.values().cloned().collect();
         shard_names.sort();
@@ -201,16 +225,12 @@ impl Checkpoint {
         let mut problems = Vec::new();
         for (i, sname) in shard_names.iter().enumerate() {
             if sname.contains('/') || sname.contains("..") {
-                return Err(CheckpointError::Index {
-                    path: index_path.display().to_string(),
-                    msg: format!("shard name {sname:?} is not a plain file name"),
-                });
+                return Err(CheckpointError::Index { path: index_path.display().to_string(), msg: format!("shard name {sname:?} is not a plain file name") });
             }
             let path = dir.join(sname);
             let file = crate::files::open_regular(&path).map_err(|e| CheckpointError::Shard {
                 shard: sname.clone(),
-                msg: format!("missing or unreadable ({e}); the index lists it for {} tensor(s)",
-                    index.weight_map.values().filter(|s| *s == sname).count()),
+                msg: format!("missing or unreadable ({e}); the index lists it for {} tensor(s)", index.weight_map.values().filter(|s| *s == sname).count()),
             })?;
             // SAFETY: the shard is opened read-only; the checkpoint is not modified while mapped.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| io(&path, e))?;
@@ -223,7 +243,8 @@ impl Checkpoint {
                     None => problems.push(format!("{name}: in shard {sname} but not in the index")),
                 }
             }
-            shards.push(Shard { name: sname.clone(), map });
+            let data_start = 8 + u64::from_le_bytes(map[..8].try_into().expect("8 bytes, checked by read_header")) as usize;
+            shards.push(Shard { name: sname.clone(), map, data_start });
         }
         for (name, sname) in &index.weight_map {
             if !entries.contains_key(name) && !problems.iter().any(|p| p.starts_with(name.as_str())) {
@@ -260,6 +281,7 @@ impl Checkpoint {
                 }
             }
         }
+        problems.extend(self.coverage_problems());
         let mut warnings: Vec<String> = self
             .entries
             .keys()
@@ -275,6 +297,39 @@ impl Checkpoint {
         } else {
             Err(CheckpointError::Invalid { dir: self.dir.display().to_string(), problems })
         }
+    }
+
+    /// Each shard's data section is exactly its tensors' bytes, in one run without holes or
+    /// overlaps (as the safetensors format requires): bytes no tensor owns are a problem, so a
+    /// shard padded to any size (a sparse file of 200 GB) is neither copied, read nor counted as
+    /// model bytes.
+    fn coverage_problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, shard) in self.shards.iter().enumerate() {
+            let mut ranges: Vec<(usize, usize, &str)> =
+                self.entries.iter().filter(|(_, e)| e.shard == i).map(|(n, e)| (e.start - shard.data_start, e.end - shard.data_start, n.as_str())).collect();
+            ranges.sort_unstable();
+            let mut end = 0usize;
+            for (s, t, tname) in &ranges {
+                if *s < end {
+                    out.push(format!("{tname} in {}: bytes {s}..{t} of the data overlap the tensor before it (which ends at {end})", shard.name));
+                } else if *s > end {
+                    out.push(format!("{}: bytes {end}..{s} of the data belong to no tensor (a hole before {tname})", shard.name));
+                }
+                end = end.max(*t);
+            }
+            let data = shard.map.len() - shard.data_start;
+            if end < data {
+                out.push(format!(
+                    "{}: the file is {} bytes, its tensors end at {}: {} trailing bytes belong to no tensor (a padded or sparse file)",
+                    shard.name,
+                    shard.map.len(),
+                    shard.data_start + end,
+                    data - end
+                ));
+            }
+        }
+        out
     }
 
     pub fn config(&self) -> &K3Config {
@@ -307,10 +362,8 @@ impl Checkpoint {
 
     /// Zero-copy view of a tensor.
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
-        let (key, e) = self
-            .entries
-            .get_key_value(name)
-            .ok_or_else(|| CheckpointError::Tensor { name: name.to_string(), msg: "not in the checkpoint".into() })?;
+        let (key, e) =
+            self.entries.get_key_value(name).ok_or_else(|| CheckpointError::Tensor { name: name.to_string(), msg: "not in the checkpoint".into() })?;
         let shard = &self.shards[e.shard];
         Ok(TensorView { name: key, shard: &shard.name, dtype: e.dtype, shape: &e.shape, bytes: &shard.map[e.start..e.end] })
     }
@@ -319,10 +372,7 @@ impl Checkpoint {
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
         let v = self.tensor(name)?;
         if v.shape != shape {
-            return Err(CheckpointError::Tensor {
-                name: name.into(),
-                msg: format!("shape {:?} in {}, expected {:?}", v.shape, v.shard, shape),
-            });
+            return Err(CheckpointError::Tensor { name: name.into(), msg: format!("shape {:?} in {}, expected {:?}", v.shape, v.shard, shape) });
         }
         v.to_f32()
     }
@@ -331,10 +381,7 @@ impl Checkpoint {
     pub fn f32_prefix(&self, name: &str, n: usize) -> Result<Vec<f32>, CheckpointError> {
         let v = self.tensor(name)?;
         if v.shape.len() != 1 || v.shape[0] < n {
-            return Err(CheckpointError::Tensor {
-                name: name.into(),
-                msg: format!("shape {:?} in {} holds fewer than {n} entries", v.shape, v.shard),
-            });
+            return Err(CheckpointError::Tensor { name: name.into(), msg: format!("shape {:?} in {} holds fewer than {n} entries", v.shape, v.shard) });
         }
         let mut all = v.to_f32()?;
         all.truncate(n);
@@ -351,8 +398,7 @@ impl Checkpoint {
                 msg: format!("shape {:?} in {} is not 2-D [out, in/2]", packed.shape, packed.shard),
             });
         };
-        Mxfp4Weight::new(packed.bytes, scale.bytes, *out, half * 2)
-            .map_err(|source| CheckpointError::Mxfp4 { name: packed.name.to_string(), source })
+        Mxfp4Weight::new(packed.bytes, scale.bytes, *out, half * 2).map_err(|source| CheckpointError::Mxfp4 { name: packed.name.to_string(), source })
     }
 
     /// Sum of the byte sizes of all tensors.

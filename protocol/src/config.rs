@@ -319,8 +319,7 @@ impl K3Config {
 
     /// Parses and validates config JSON text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let cfg: K3Config = serde_json::from_str(text)
-            .map_err(|source| ConfigError::Json { path: "<text>".into(), source })?;
+        let cfg: K3Config = serde_json::from_str(text).map_err(|source| ConfigError::Json { path: "<text>".into(), source })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -350,13 +349,9 @@ impl TextConfig {
         for (list, name) in [(&la.kda_layers, "kda_layers"), (&la.full_attn_layers, "full_attn_layers")] {
             for &l in list {
                 if l == 0 {
-                    problems.push(format!(
-                        "linear_attn_config.{name} contains 0, but the lists are 1-based (1..={n})"
-                    ));
+                    problems.push(format!("linear_attn_config.{name} contains 0, but the lists are 1-based (1..={n})"));
                 } else if l > n {
-                    problems.push(format!(
-                        "linear_attn_config.{name} contains {l}, beyond num_hidden_layers = {n} (lists are 1-based)"
-                    ));
+                    problems.push(format!("linear_attn_config.{name} contains {l}, beyond num_hidden_layers = {n} (lists are 1-based)"));
                 } else {
                     seen[l - 1] += 1;
                 }
@@ -364,18 +359,14 @@ impl TextConfig {
         }
         let doubled: Vec<usize> = (0..n).filter(|&i| seen[i] > 1).map(|i| i + 1).collect();
         if !doubled.is_empty() {
-            problems.push(format!(
-                "layers {doubled:?} (1-based) appear twice in kda_layers/full_attn_layers"
-            ));
+            problems.push(format!("layers {doubled:?} (1-based) appear twice in kda_layers/full_attn_layers"));
         }
         let missing: Vec<usize> = (0..n).filter(|&i| seen[i] == 0).map(|i| i + 1).collect();
         if !missing.is_empty() {
-            problems.push(format!(
-                "layers {missing:?} (1-based) are in neither kda_layers nor full_attn_layers"
-            ));
+            problems.push(format!("layers {missing:?} (1-based) are in neither kda_layers nor full_attn_layers"));
         }
         let div = |a: usize, b: usize, what: &str, problems: &mut Vec<String>| {
-            if b == 0 || a % b != 0 {
+            if b == 0 || !a.is_multiple_of(b) {
                 problems.push(format!("{what}: {a} is not divisible by {b}"));
             }
         };
@@ -383,10 +374,7 @@ impl TextConfig {
             problems.push("linear_attn_config.num_heads and head_dim must be > 0".into());
         }
         if la.short_conv_kernel_size < 2 {
-            problems.push(format!(
-                "linear_attn_config.short_conv_kernel_size = {} (must be >= 2)",
-                la.short_conv_kernel_size
-            ));
+            problems.push(format!("linear_attn_config.short_conv_kernel_size = {} (must be >= 2)", la.short_conv_kernel_size));
         }
         if !la.use_full_rank_gate {
             problems.push("linear_attn_config.use_full_rank_gate = false (g_a/g_b gates) is not K3".into());
@@ -398,10 +386,7 @@ impl TextConfig {
             problems.push("attn_res_block_size is 0".into());
         }
         if self.num_experts_per_token == 0 || self.num_experts_per_token > self.num_experts {
-            problems.push(format!(
-                "num_experts_per_token = {} must be in 1..={} (num_experts)",
-                self.num_experts_per_token, self.num_experts
-            ));
+            problems.push(format!("num_experts_per_token = {} must be in 1..={} (num_experts)", self.num_experts_per_token, self.num_experts));
         }
         if let Some(per) = &self.num_experts_per_layer {
             if per.len() != n {
@@ -430,10 +415,7 @@ impl TextConfig {
             problems.push(format!("moe_layer_freq = {} (only 1 is supported, as in K3)", self.moe_layer_freq));
         }
         if self.num_expert_group != 1 || self.topk_group != 1 {
-            problems.push(format!(
-                "num_expert_group = {}, topk_group = {} (K3 uses one group)",
-                self.num_expert_group, self.topk_group
-            ));
+            problems.push(format!("num_expert_group = {}, topk_group = {} (K3 uses one group)", self.num_expert_group, self.topk_group));
         }
         if self.hidden_act != "situ" {
             problems.push(format!("hidden_act = {:?} (K3 uses \"situ\")", self.hidden_act));
@@ -458,10 +440,7 @@ impl TextConfig {
                 problems.push(format!("quantization_config.config_groups.{name}.weights.group_size = {} (MXFP4 needs 32)", w.group_size));
             }
             if w.num_bits != 4 || w.kind != "float" {
-                problems.push(format!(
-                    "quantization_config.config_groups.{name}.weights: num_bits {} type {:?} (MXFP4 needs 4-bit float)",
-                    w.num_bits, w.kind
-                ));
+                problems.push(format!("quantization_config.config_groups.{name}.weights: num_bits {} type {:?} (MXFP4 needs 4-bit float)", w.num_bits, w.kind));
             }
         }
         div(self.routed_expert_hidden_size, 32, "routed_expert_hidden_size (MXFP4 group 32)", &mut problems);
@@ -569,11 +548,6 @@ impl TextConfig {
     pub fn conv_window(&self) -> usize {
         self.linear_attn_config.short_conv_kernel_size - 1
     }
-
-    /// Number of bank entries at the end of the stack (the embedding is the first).
-    pub fn bank_len(&self) -> usize {
-        self.num_hidden_layers.div_ceil(self.attn_res_block_size)
-    }
 }
 
 impl VisionConfig {
@@ -600,30 +574,21 @@ impl VisionConfig {
         if !problems.is_empty() {
             return Err(ConfigError::Invalid(problems.join("; ")));
         }
-        if self.vt_num_attention_heads == 0 || self.qkv_hidden_size % self.vt_num_attention_heads != 0 {
+        if self.vt_num_attention_heads == 0 || !self.qkv_hidden_size.is_multiple_of(self.vt_num_attention_heads) {
             problems.push(format!(
                 "vision_config.qkv_hidden_size {} is not divisible by vt_num_attention_heads {}",
                 self.qkv_hidden_size, self.vt_num_attention_heads
             ));
-        } else if (self.qkv_hidden_size / self.vt_num_attention_heads) % 4 != 0 {
-            problems.push(format!(
-                "vision head dim {} must be a multiple of 4 (2-D rotary pairs)",
-                self.qkv_hidden_size / self.vt_num_attention_heads
-            ));
+        } else if !(self.qkv_hidden_size / self.vt_num_attention_heads).is_multiple_of(4) {
+            problems.push(format!("vision head dim {} must be a multiple of 4 (2-D rotary pairs)", self.qkv_hidden_size / self.vt_num_attention_heads));
         }
         if self.text_hidden_size != text_hidden {
-            problems.push(format!(
-                "vision_config.text_hidden_size {} differs from text_config.hidden_size {text_hidden}",
-                self.text_hidden_size
-            ));
+            problems.push(format!("vision_config.text_hidden_size {} differs from text_config.hidden_size {text_hidden}", self.text_hidden_size));
         }
         if self.mm_hidden_size != self.vt_hidden_size {
-            problems.push(format!(
-                "vision_config.mm_hidden_size {} differs from vt_hidden_size {}",
-                self.mm_hidden_size, self.vt_hidden_size
-            ));
+            problems.push(format!("vision_config.mm_hidden_size {} differs from vt_hidden_size {}", self.mm_hidden_size, self.vt_hidden_size));
         }
-        if self.patch_size == 0 || self.merge_kernel_size.iter().any(|&k| k == 0) {
+        if self.patch_size == 0 || self.merge_kernel_size.contains(&0) {
             problems.push("vision_config.patch_size and merge_kernel_size must be > 0".into());
         }
         if problems.is_empty() {

@@ -36,19 +36,13 @@ fn kind(meta: &std::fs::Metadata) -> &'static str {
 pub fn open_regular(path: &Path) -> io::Result<File> {
     let meta = std::fs::metadata(path)?;
     if !meta.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{} is {}, not a regular file", path.display(), kind(&meta)),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is {}, not a regular file", path.display(), kind(&meta))));
     }
     let file = File::open(path)?;
     // The path may have been replaced between the two calls: check what was opened.
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{} is {}, not a regular file", path.display(), kind(&meta)),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is {}, not a regular file", path.display(), kind(&meta))));
     }
     Ok(file)
 }
@@ -58,27 +52,20 @@ pub fn read_regular(path: &Path, max_bytes: u64) -> io::Result<Vec<u8>> {
     let file = open_regular(path)?;
     let len = file.metadata()?.len();
     if len > max_bytes {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{} is {len} bytes, more than the {max_bytes} accepted", path.display()),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} is {len} bytes, more than the {max_bytes} accepted", path.display())));
     }
     let mut out = Vec::with_capacity(len as usize);
     // `take` bounds the read even if the file grows meanwhile.
     file.take(max_bytes + 1).read_to_end(&mut out)?;
     if out.len() as u64 > max_bytes {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{} grew past the {max_bytes} bytes accepted while being read", path.display()),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} grew past the {max_bytes} bytes accepted while being read", path.display())));
     }
     Ok(out)
 }
 
 /// [`read_regular`] as UTF-8 text.
 pub fn read_regular_to_string(path: &Path, max_bytes: u64) -> io::Result<String> {
-    String::from_utf8(read_regular(path, max_bytes)?)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{} is not UTF-8: {e}", path.display())))
+    String::from_utf8(read_regular(path, max_bytes)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{} is not UTF-8: {e}", path.display())))
 }
 
 /// Token ids from the entries of a JSON array: each must be an integer in `u32` range; the error
@@ -86,11 +73,7 @@ pub fn read_regular_to_string(path: &Path, max_bytes: u64) -> io::Result<String>
 pub fn token_ids(vals: &[serde_json::Value]) -> anyhow::Result<Vec<u32>> {
     vals.iter()
         .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| anyhow::anyhow!("entry {i} ({v}) is not a token id"))
-        })
+        .map(|(i, v)| v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| anyhow::anyhow!("entry {i} ({v}) is not a token id")))
         .collect()
 }
 
@@ -98,8 +81,7 @@ pub fn token_ids(vals: &[serde_json::Value]) -> anyhow::Result<Vec<u32>> {
 pub fn read_token_ids(path: &Path) -> anyhow::Result<Vec<u32>> {
     use anyhow::Context;
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read token ids {}", path.display()))?;
-    let vals: Vec<serde_json::Value> =
-        serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?;
+    let vals: Vec<serde_json::Value> = serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?;
     token_ids(&vals).with_context(|| path.display().to_string())
 }
 
@@ -111,7 +93,9 @@ mod tests {
     fn token_ids_accept_u32_and_name_the_first_bad_entry() {
         let ok: Vec<serde_json::Value> = serde_json::from_str("[0, 7, 4294967295]").unwrap();
         assert_eq!(token_ids(&ok).unwrap(), vec![0, 7, u32::MAX]);
-        for (text, bad) in [("[1, -1]", "entry 1 (-1)"), ("[4294967296]", "entry 0 (4294967296)"), ("[2, 3.5]", "entry 1 (3.5)"), ("[\"a\"]", "entry 0 (\"a\")")] {
+        for (text, bad) in
+            [("[1, -1]", "entry 1 (-1)"), ("[4294967296]", "entry 0 (4294967296)"), ("[2, 3.5]", "entry 1 (3.5)"), ("[\"a\"]", "entry 0 (\"a\")")]
+        {
             let vals: Vec<serde_json::Value> = serde_json::from_str(text).unwrap();
             let err = token_ids(&vals).unwrap_err().to_string();
             assert!(err.contains(bad), "{text}: {err}");

@@ -143,9 +143,7 @@ pub fn fit_table_hosts(cfg: &K3Config, reserve_gib: f64, hosts: usize) -> FitTab
         for &ctx in &CONTEXTS {
             let state = d.kda_state_bytes_fp32 + d.conv_window_bytes_bf16 + ctx * d.mla_state_bytes_per_token_bf16;
             let budget = (gb << 30) as i128 - reserve as i128 - state as i128;
-            let max_experts = (sizes.experts_per_token..=sizes.num_experts)
-                .rev()
-                .find(|&k| split_sizes.largest_share(k, hosts) as i128 <= budget);
+            let max_experts = (sizes.experts_per_token..=sizes.num_experts).rev().find(|&k| split_sizes.largest_share(k, hosts) as i128 <= budget);
             cells.push(FitCell {
                 memory_gb: gb,
                 context: ctx,
@@ -169,7 +167,11 @@ pub fn fit_table_hosts(cfg: &K3Config, reserve_gib: f64, hosts: usize) -> FitTab
 }
 
 fn ctx_label(t: u64) -> String {
-    if t >= 1 << 20 { format!("{}M", t >> 20) } else { format!("{}k", t >> 10) }
+    if t >= 1 << 20 {
+        format!("{}M", t >> 20)
+    } else {
+        format!("{}k", t >> 10)
+    }
 }
 
 impl FitTable {
@@ -200,10 +202,8 @@ impl FitTable {
         );
         if self.hosts > 1 {
             let sizes: Vec<usize> = self.full_split.iter().map(|r| r.experts.len()).collect();
-            let (lo, hi) = (
-                self.full_split.iter().map(|r| r.weight_bytes).min().unwrap_or(0),
-                self.full_split.iter().map(|r| r.weight_bytes).max().unwrap_or(0),
-            );
+            let (lo, hi) =
+                (self.full_split.iter().map(|r| r.weight_bytes).min().unwrap_or(0), self.full_split.iter().map(|r| r.weight_bytes).max().unwrap_or(0));
             let _ = writeln!(
                 s,
                 "  all {} experts over {} ranks: {} per rank and layer; {:.1}–{:.1} GB of weights per rank ({:.1} GB in one)",

@@ -36,11 +36,7 @@ pub struct MlaState {
 
 impl MlaState {
     pub fn rows(&self) -> usize {
-        if self.width == 0 {
-            0
-        } else {
-            self.latent.len() / self.width
-        }
+        self.latent.len().checked_div(self.width).unwrap_or(0)
     }
 }
 
@@ -63,8 +59,6 @@ pub struct HandoffState {
 pub enum HandoffError {
     #[error("session file {path}: {msg}")]
     File { path: String, msg: String },
-    #[error("hand-off state does not fit the model: {0}")]
-    Mismatch(String),
 }
 
 impl KdaState {
@@ -97,43 +91,8 @@ impl HandoffState {
         HandoffState { tokens: 0, layers }
     }
 
-    /// Checks every layer's kind and size against the model; names the first layer at fault.
-    pub fn check(&self, c: &TextConfig) -> Result<(), HandoffError> {
-        let plan = c.layer_plan();
-        if self.layers.len() != plan.len() {
-            return Err(HandoffError::Mismatch(format!(
-                "{} layers in the state, {} in the model",
-                self.layers.len(),
-                plan.len()
-            )));
-        }
-        let z = KdaState::zeros(c);
-        for (l, (st, spec)) in self.layers.iter().zip(&plan).enumerate() {
-            match (st, spec.attn) {
-                (LayerState::Kda(k), AttnKind::Kda) => {
-                    if k.recurrent.len() != z.recurrent.len()
-                        || k.conv_q.len() != z.conv_q.len()
-                        || k.conv_k.len() != z.conv_k.len()
-                        || k.conv_v.len() != z.conv_v.len()
-                    {
-                        return Err(HandoffError::Mismatch(format!("layer {l}: KDA state sizes differ from the model")));
-                    }
-                }
-                (LayerState::Mla(m), AttnKind::Mla) => {
-                    if m.width != c.mla_latent_width() || m.latent.len() != self.tokens * m.width {
-                        return Err(HandoffError::Mismatch(format!(
-                            "layer {l}: MLA latent holds {} values, expected {} tokens × {}",
-                            m.latent.len(),
-                            self.tokens,
-                            c.mla_latent_width()
-                        )));
-                    }
-                }
-                _ => return Err(HandoffError::Mismatch(format!("layer {l}: state kind differs from the model's {:?}", spec.attn))),
-            }
-        }
-        Ok(())
-    }
+    // `HandoffState::check` (does this state fit the model?) lives in `wire::layout` beside the
+    // one per-layer shape check it runs, `LayerLayout::check_state`.
 
     /// Total bytes of the state in fp32.
     pub fn nbytes(&self) -> usize {
@@ -180,10 +139,7 @@ pub const SESSION_FORMAT_VERSION: &str = "2";
 /// SHA-256 over a session's metadata (all but `checksum`, sorted by key) and every tensor
 /// (sorted by name: name, dtype, shape, bytes), hex. Stored as the `checksum` metadata entry, so
 /// a flipped bit anywhere in the latent rows or the metadata is found on loading.
-fn session_checksum<'a>(
-    md: &HashMap<String, String>,
-    tensors: impl Iterator<Item = (&'a str, String, &'a [usize], &'a [u8])>,
-) -> String {
+fn session_checksum<'a>(md: &HashMap<String, String>, tensors: impl Iterator<Item = (&'a str, String, &'a [usize], &'a [u8])>) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(b"k3-offload session checksum v1\n");
@@ -224,11 +180,18 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
 }
 
 /// Writes the state (and optional extra fp32 tensors such as `logits`) as a safetensors file.
-pub fn save_session(
+pub fn save_session(path: &Path, state: &HandoffState, meta: Option<&SessionMeta>, extra: &[(String, Vec<usize>, &[f32])]) -> Result<(), HandoffError> {
+    save_session_with(path, state, meta, extra, &[])
+}
+
+/// [`save_session`] with further metadata entries (`extra_md`: key, value; covered by the
+/// checksum like the rest; the keys of the format itself are refused).
+pub fn save_session_with(
     path: &Path,
     state: &HandoffState,
     meta: Option<&SessionMeta>,
     extra: &[(String, Vec<usize>, &[f32])],
+    extra_md: &[(&str, String)],
 ) -> Result<(), HandoffError> {
     let err = |msg: String| HandoffError::File { path: path.display().to_string(), msg };
     let named = state.named_tensors();
@@ -245,6 +208,12 @@ pub fn save_session(
         md.insert("fingerprint".to_string(), m.fingerprint.hex());
         md.insert("token_prefix_hash".to_string(), m.token_prefix_hash.clone());
     }
+    for (k, v) in extra_md {
+        if md.contains_key(*k) || *k == "checksum" {
+            return Err(err(format!("metadata key {k:?} belongs to the session format")));
+        }
+        md.insert(k.to_string(), v.clone());
+    }
     let sum = session_checksum(
         &md,
         named.iter().chain(extra.iter()).map(|(n, shape, data)| (n.as_str(), format!("{:?}", StDtype::F32), &shape[..], f32_bytes(data))),
@@ -260,6 +229,8 @@ pub struct SessionFile {
     pub token_prefix_hash: Option<String>,
     /// Other fp32 tensors in the file (e.g. `logits`), by name: (shape, data).
     pub extra: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    /// Every metadata entry of the file (the format's and those of [`save_session_with`]).
+    pub metadata: HashMap<String, String>,
 }
 
 /// Loads a session file (or a golden file: the same names) for a model, checking every shape.
@@ -281,9 +252,7 @@ pub fn load_session(path: &Path, c: &TextConfig) -> Result<SessionFile, HandoffE
             let tensors = st.tensors();
             let got = session_checksum(&md, tensors.iter().map(|(n, t)| (n.as_str(), format!("{:?}", t.dtype()), t.shape(), t.data())));
             if &got != want {
-                return Err(err(format!(
-                    "checksum mismatch (file says {want}, contents give {got}): the file is damaged or was edited"
-                )));
+                return Err(err(format!("checksum mismatch (file says {want}, contents give {got}): the file is damaged or was edited")));
             }
         }
         None if ours && md.get("format_version").is_some_and(|v| v != "1") => {
@@ -347,5 +316,6 @@ pub fn load_session(path: &Path, c: &TextConfig) -> Result<SessionFile, HandoffE
         fingerprint: md.get("fingerprint").and_then(|s| Fingerprint::from_hex(s)),
         token_prefix_hash: md.get("token_prefix_hash").cloned(),
         extra,
+        metadata: md,
     })
 }

@@ -54,7 +54,7 @@ pub struct Mxfp4Weight<'a> {
 
 impl<'a> Mxfp4Weight<'a> {
     pub fn new(packed: &'a [u8], scale: &'a [u8], out_features: usize, in_features: usize) -> Result<Self, Mxfp4Error> {
-        if in_features % GROUP != 0 {
+        if !in_features.is_multiple_of(GROUP) {
             return Err(Mxfp4Error::Ungrouped { in_features });
         }
         if packed.len() != out_features * in_features / 2 {
@@ -124,13 +124,7 @@ pub fn quantize(w: &[f32], out_features: usize, in_features: usize) -> (Vec<u8>,
 #[inline]
 fn nearest_e2m1(x: f32) -> u8 {
     let a = x.abs();
-    let best = (a > 0.25) as u8
-        + (a >= 0.75) as u8
-        + (a > 1.25) as u8
-        + (a >= 1.75) as u8
-        + (a > 2.5) as u8
-        + (a >= 3.5) as u8
-        + (a > 5.0) as u8;
+    let best = (a > 0.25) as u8 + (a >= 0.75) as u8 + (a > 1.25) as u8 + (a >= 1.75) as u8 + (a > 2.5) as u8 + (a >= 3.5) as u8 + (a > 5.0) as u8;
     let sign = if x < 0.0 && best != 0 { 8 } else { 0 };
     best | sign
 }
@@ -144,7 +138,7 @@ mod tests {
         for c in 0u8..16 {
             let v = e2m1(c);
             assert_eq!(v.abs(), E2M1_MAGNITUDES[(c & 7) as usize]);
-            assert_eq!(v.is_sign_negative() && v != 0.0, c >= 8 && c != 8);
+            assert_eq!(v.is_sign_negative() && v != 0.0, c > 8);
         }
         assert_eq!(e8m0(127), 1.0);
         assert_eq!(e8m0(128), 2.0);
@@ -214,7 +208,11 @@ mod tests {
                 x ^= x << 17;
                 let u = (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5;
                 let mag = [1e-30f32, 1e-3, 1.0, 7.0, 1e20][(i / 32) % 5];
-                if i % 97 == 0 { 0.0 } else { u * mag }
+                if i % 97 == 0 {
+                    0.0
+                } else {
+                    u * mag
+                }
             })
             .collect();
         let (p, s) = quantize(&w, rows, cols);
@@ -228,7 +226,7 @@ mod tests {
                     let i = r * cols + g * GROUP + j;
                     let code = nearest_e2m1(w[i] / e8m0(e as u8));
                     let byte = p[i / 2];
-                    assert_eq!(if i % 2 == 0 { byte & 15 } else { byte >> 4 }, code, "element {i}");
+                    assert_eq!(if i.is_multiple_of(2) { byte & 15 } else { byte >> 4 }, code, "element {i}");
                 }
             }
         }

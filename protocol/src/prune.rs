@@ -12,17 +12,15 @@
 //! the top-k selection.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::checkpoint::writer::{shard_file_name, write_index, ShardWriter, INDEX_FILE};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{FfnKind, TextConfig};
 use crate::synth::rng::Rng;
-use crate::synth::shards::{header_bytes, shard_file_name};
 use crate::tensors::{layer_tensor, Init, TensorSpec};
 
 /// The `format` string of a statistics file.
@@ -77,21 +75,66 @@ impl LayerStats {
     }
     /// REAP saliency: mean over the tokens routed to `e` of gate weight × ‖output‖₂.
     pub fn reap(&self, e: usize) -> f64 {
-        if self.count[e] == 0 { 0.0 } else { self.saliency_sum[e] / self.count[e] as f64 }
+        if self.count[e] == 0 {
+            0.0
+        } else {
+            self.saliency_sum[e] / self.count[e] as f64
+        }
     }
     /// Fraction of this layer's tokens that selected `e`.
     pub fn frequency(&self, e: usize) -> f64 {
-        if self.tokens == 0 { 0.0 } else { self.count[e] as f64 / self.tokens as f64 }
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.count[e] as f64 / self.tokens as f64
+        }
     }
     /// Mean gate weight over the tokens routed to `e`.
     pub fn mean_gate(&self, e: usize) -> f64 {
-        if self.count[e] == 0 { 0.0 } else { self.gate_sum[e] / self.count[e] as f64 }
+        if self.count[e] == 0 {
+            0.0
+        } else {
+            self.gate_sum[e] / self.count[e] as f64
+        }
+    }
+
+    /// Checks that the sums could come from [`Self::add`]: every value finite and not negative,
+    /// no expert chosen by more tokens than passed the layer, at most `top_k` choices per token,
+    /// no sums for an expert nobody chose, and means within what f32 gate weights and output
+    /// norms can reach (a statistic of 1e308 is refused, not ranked or summed into infinity).
+    fn check_values(&self, top_k: usize) -> Result<(), String> {
+        let f32_max = f32::MAX as f64;
+        let mut chosen: u128 = 0;
+        for e in 0..self.count.len() {
+            let (c, g, s) = (self.count[e], self.gate_sum[e], self.saliency_sum[e]);
+            if !(g.is_finite() && g >= 0.0 && s.is_finite() && s >= 0.0) {
+                return Err(format!("expert {e}: gate_sum {g} / saliency_sum {s} (each must be a finite number ≥ 0)"));
+            }
+            if c > self.tokens {
+                return Err(format!("expert {e} was chosen by {c} tokens, but {} passed the layer", self.tokens));
+            }
+            if c == 0 && (g != 0.0 || s != 0.0) {
+                return Err(format!("expert {e} was chosen by no token but has gate_sum {g}, saliency_sum {s}"));
+            }
+            if c > 0 && (g / c as f64 > f32_max || s / c as f64 > f32_max * f32_max) {
+                return Err(format!(
+                    "expert {e}: mean gate weight {:e}, mean saliency {:e} over {c} tokens are beyond any f32 gate weight and output norm",
+                    g / c as f64,
+                    s / c as f64
+                ));
+            }
+            chosen += c as u128;
+        }
+        if chosen > self.tokens as u128 * top_k as u128 {
+            return Err(format!("{chosen} expert choices for {} tokens of top-{top_k}", self.tokens));
+        }
+        Ok(())
     }
 
     /// Adds one batch of routed tokens: `ids`, `weights` and `norms` are `[rows, top_k]`.
     pub fn add(&mut self, top_k: usize, ids: &[u32], weights: &[f32], norms: &[f32]) -> Result<(), PruneError> {
         let n = self.count.len();
-        if top_k == 0 || ids.len() % top_k != 0 || weights.len() != ids.len() || norms.len() != ids.len() {
+        if top_k == 0 || !ids.len().is_multiple_of(top_k) || weights.len() != ids.len() || norms.len() != ids.len() {
             return Err(PruneError::Invalid(format!(
                 "layer {}: routing of {} ids, {} weights, {} norms with top-k {top_k}",
                 self.layer,
@@ -147,12 +190,7 @@ pub struct ExpertStats {
 impl ExpertStats {
     /// Empty statistics for a model.
     pub fn new(cfg: &TextConfig, fingerprint: &crate::Fingerprint) -> Self {
-        let layers = cfg
-            .layer_plan()
-            .iter()
-            .filter(|s| s.ffn == FfnKind::LatentMoe)
-            .map(|s| LayerStats::new(s.index, cfg.num_experts))
-            .collect();
+        let layers = cfg.layer_plan().iter().filter(|s| s.ffn == FfnKind::LatentMoe).map(|s| LayerStats::new(s.index, cfg.num_experts)).collect();
         ExpertStats {
             format: STATS_FORMAT.into(),
             model_fingerprint: fingerprint.hex(),
@@ -199,6 +237,19 @@ impl ExpertStats {
                 self.num_experts, self.experts_per_token, cfg.num_experts, cfg.num_experts_per_token
             )));
         }
+        // A gate weight is a sigmoid score (renormalised over the top-k) × the scaling factor:
+        // its mean over an expert's tokens cannot exceed the factor (f32 rounding aside).
+        let max_gate = cfg.routed_scaling_factor.abs() as f64 * (1.0 + 1e-4) + 1e-6;
+        for l in &self.layers {
+            if let Some(e) = (0..self.num_experts).find(|&e| !(l.mean_gate(e) <= max_gate)) {
+                return Err(err(format!(
+                    "layer {}: expert {e}'s mean gate weight is {:e}, above the model's routed_scaling_factor {} (a gate weight cannot exceed it)",
+                    l.layer,
+                    l.mean_gate(e),
+                    cfg.routed_scaling_factor
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -212,6 +263,7 @@ impl ExpertStats {
             if l.count.len() != n || l.gate_sum.len() != n || l.saliency_sum.len() != n {
                 return Err(err(format!("layer {}: per-expert arrays are not {n} long", l.layer)));
             }
+            l.check_values(self.experts_per_token).map_err(|m| err(format!("layer {}: {m}", l.layer)))?;
         }
         Ok(())
     }
@@ -224,8 +276,7 @@ impl ExpertStats {
             stats: ExpertStats,
         }
         let text = std::fs::read_to_string(path).map_err(io(path))?;
-        let f: File = serde_json::from_str(&text)
-            .map_err(|e| PruneError::Stats { path: path.display().to_string(), msg: format!("malformed: {e}") })?;
+        let f: File = serde_json::from_str(&text).map_err(|e| PruneError::Stats { path: path.display().to_string(), msg: format!("malformed: {e}") })?;
         f.stats.validate(path)?;
         Ok(f.stats)
     }
@@ -355,9 +406,7 @@ pub fn check_keep(keep: usize, experts: usize, top_k: usize) -> Result<(), Prune
         return Err(PruneError::Invalid(format!("--keep {keep} exceeds the model's {experts} routed experts per layer")));
     }
     if keep < top_k {
-        return Err(PruneError::Invalid(format!(
-            "--keep {keep} is below the router's top-k ({top_k} experts per token); keep at least {top_k}"
-        )));
+        return Err(PruneError::Invalid(format!("--keep {keep} is below the router's top-k ({top_k} experts per token); keep at least {top_k}")));
     }
     Ok(())
 }
@@ -470,8 +519,7 @@ impl PruneRecord {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io(&path)(e)),
         };
-        let r: PruneRecord = serde_json::from_str(&text)
-            .map_err(|e| PruneError::Invalid(format!("{}: malformed pruning record: {e}", path.display())))?;
+        let r: PruneRecord = serde_json::from_str(&text).map_err(|e| PruneError::Invalid(format!("{}: malformed pruning record: {e}", path.display())))?;
         if r.format != RECORD_FORMAT {
             return Err(PruneError::Invalid(format!("{}: format {:?}, expected {RECORD_FORMAT:?}", path.display(), r.format)));
         }
@@ -531,10 +579,7 @@ pub fn prune_checkpoint(
         return Err(PruneError::Invalid(format!("kept experts given for layers {kept_layers:?}, the model's MoE layers are {moe:?}")));
     }
     if c.num_experts_per_layer.is_some() {
-        return Err(PruneError::Invalid(format!(
-            "{} was itself pruned per layer (--mode global); prune its source model instead",
-            src.dir().display()
-        )));
+        return Err(PruneError::Invalid(format!("{} was itself pruned per layer (--mode global); prune its source model instead", src.dir().display())));
     }
     for (l, ids) in kept {
         if ids.windows(2).any(|w| w[0] >= w[1]) || ids.iter().any(|&e| e >= c.num_experts) {
@@ -594,9 +639,7 @@ pub fn prune_checkpoint(
                 }
                 continue;
             }
-            let sliced = kept_of.iter().find_map(|(&l, ids)| {
-                (name == router_w(l) || name == router_b(l)).then_some((l, *ids))
-            });
+            let sliced = kept_of.iter().find_map(|(&l, ids)| (name == router_w(l) || name == router_b(l)).then_some((l, *ids)));
             match sliced {
                 Some((l, ids)) => {
                     let rows = e.shape.first().copied().unwrap_or(0);
@@ -627,15 +670,14 @@ pub fn prune_checkpoint(
         progress.set_message(format!("{} → {file}", src.shard_name(*shard)));
         let path = partial.join(&file);
         let specs: Vec<TensorSpec> = acts.iter().map(|(_, _, s, _)| s.clone()).collect();
-        let mut w = BufWriter::with_capacity(8 << 20, File::create(&path).map_err(io(&path))?);
-        w.write_all(&header_bytes(&specs)).map_err(io(&path))?;
+        let mut w = ShardWriter::create(&path, &specs).map_err(io(&path))?;
         for (src_name, act, spec, _) in acts {
             let view = src.tensor(src_name)?;
             match act {
-                Action::Copy => w.write_all(view.bytes).map_err(io(&path))?,
+                Action::Copy => w.write(view.bytes).map_err(io(&path))?,
                 Action::Rows { ids, row_bytes, .. } => {
                     for &r in ids {
-                        w.write_all(&view.bytes[r * row_bytes..(r + 1) * row_bytes]).map_err(io(&path))?;
+                        w.write(&view.bytes[r * row_bytes..(r + 1) * row_bytes]).map_err(io(&path))?;
                     }
                 }
             }
@@ -645,14 +687,13 @@ pub fn prune_checkpoint(
             weight_map.insert(spec.name.clone(), file.clone());
             progress.inc(view.bytes.len() as u64);
         }
-        w.into_inner().map_err(|e| io(&path)(e.into_error()))?.sync_all().map_err(io(&path))?;
+        w.finish(true).map_err(io(&path))?;
     }
 
     // config.json: the source's JSON (informational fields kept) with num_experts updated.
     let cfg_path = src.dir().join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(io(&cfg_path))?;
-    let mut cfg: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| PruneError::Invalid(format!("{}: {e}", cfg_path.display())))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| PruneError::Invalid(format!("{}: {e}", cfg_path.display())))?;
     cfg["text_config"]["num_experts"] = serde_json::json!(keep);
     if !uniform {
         let per: Vec<usize> = (0..c.num_hidden_layers).map(|l| kept_of.get(&l).map_or(0, |k| k.len())).collect();
@@ -660,19 +701,16 @@ pub fn prune_checkpoint(
     }
     let out_cfg = partial.join("config.json");
     std::fs::write(&out_cfg, serde_json::to_string_pretty(&cfg).expect("JSON serialises")).map_err(io(&out_cfg))?;
-    let index = serde_json::json!({ "metadata": { "total_size": written }, "weight_map": weight_map });
-    let idx_path = partial.join("model.safetensors.index.json");
-    std::fs::write(&idx_path, serde_json::to_string_pretty(&index).expect("JSON serialises")).map_err(io(&idx_path))?;
+    let idx_path = partial.join(INDEX_FILE);
+    write_index(&partial, &weight_map, written).map_err(io(&idx_path))?;
     let rec_path = partial.join(RECORD_FILE);
     std::fs::write(&rec_path, serde_json::to_string_pretty(record).expect("record serialises")).map_err(io(&rec_path))?;
     // Every other file of the source directory (tokenizer, templates, ...).
-    let shard_names: std::collections::HashSet<String> =
-        src.tensor_names().map(|n| src.shard_name(src.entry(n).expect("listed").shard).to_string()).collect();
+    let shard_names: std::collections::HashSet<String> = src.tensor_names().map(|n| src.shard_name(src.entry(n).expect("listed").shard).to_string()).collect();
     for entry in std::fs::read_dir(src.dir()).map_err(io(src.dir()))? {
         let entry = entry.map_err(io(src.dir()))?;
         let name = entry.file_name().to_string_lossy().to_string();
-        let skip = shard_names.contains(&name)
-            || ["config.json", "model.safetensors.index.json", RECORD_FILE, crate::fingerprint::DIGEST_FILE].contains(&name.as_str());
+        let skip = shard_names.contains(&name) || ["config.json", INDEX_FILE, RECORD_FILE, crate::fingerprint::DIGEST_FILE].contains(&name.as_str());
         if !skip && entry.file_type().map_err(io(&entry.path()))?.is_file() {
             std::fs::copy(entry.path(), partial.join(&name)).map_err(io(&entry.path()))?;
         }

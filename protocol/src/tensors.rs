@@ -165,12 +165,7 @@ pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<TensorSpec> {
             v.push(t(lt("self_attn.q_b_proj.weight"), &[nh * qk, c.q_lora_rank], BF16, Init::Linear));
             v.push(t(lt("self_attn.kv_a_proj_with_mqa.weight"), &[c.mla_latent_width(), h], BF16, Init::Linear));
             v.push(t(lt("self_attn.kv_a_layernorm.weight"), &[c.kv_lora_rank], BF16, Init::NormGain));
-            v.push(t(
-                lt("self_attn.kv_b_proj.weight"),
-                &[nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank],
-                BF16,
-                Init::Linear,
-            ));
+            v.push(t(lt("self_attn.kv_b_proj.weight"), &[nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank], BF16, Init::Linear));
             v.push(t(lt("self_attn.g_proj.weight"), &[nh * c.v_head_dim, h], BF16, Init::Linear));
             v.push(t(lt("self_attn.o_proj.weight"), &[h, nh * c.v_head_dim], BF16, Init::Linear));
         }
@@ -221,12 +216,7 @@ pub fn vision_tensors(cfg: &K3Config) -> Vec<TensorSpec> {
     let p = v.patch_size;
     let mut out = vec![
         t("vision_tower.patch_embed.proj.weight".into(), &[d, 3, p, p], BF16, Init::Linear),
-        t(
-            "vision_tower.patch_embed.pos_emb.weight".into(),
-            &[v.init_pos_emb_height, v.init_pos_emb_width, d],
-            BF16,
-            Init::PosEmb,
-        ),
+        t("vision_tower.patch_embed.pos_emb.weight".into(), &[v.init_pos_emb_height, v.init_pos_emb_width, d], BF16, Init::PosEmb),
     ];
     for b in 0..v.vt_num_hidden_layers {
         let n = |s: &str| format!("vision_tower.encoder.blocks.{b}.{s}");
@@ -291,11 +281,7 @@ impl DerivedSizes {
         }
         let mut per_expert = 0u64;
         if let Some(l) = first_moe {
-            expert_bytes = layer_tensors(c, l)
-                .iter()
-                .filter(|s| s.is_expert())
-                .map(|s| s.nbytes() as u64)
-                .sum();
+            expert_bytes = layer_tensors(c, l).iter().filter(|s| s.is_expert()).map(|s| s.nbytes() as u64).sum();
             per_expert = expert_bytes / c.experts_in_layer(l).max(1) as u64;
         }
         let vision: u128 = vision_tensors(cfg).iter().map(|s| s.numel() as u128).sum();

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 pub struct TensorDigest {
     /// SHA-256 over the SHA-256 of each [`crate::fingerprint::PIECE`]-byte piece (hex): the identity.
     pub sha256: String,
-    /// CRC32C of all bytes: the fast check on use.
+    /// CRC32C of all bytes (kept in the cache format; the checks on use compare the SHA-256,
+    /// which a forged cache cannot match).
     pub crc32c: u32,
     pub bytes: u64,
 }

@@ -199,8 +199,10 @@ fn missing_tensor() {
     edit_index(d.path(), |v| {
         v["weight_map"].as_object_mut().unwrap().remove(name);
     });
+    // (its bytes, still in the shard, belong to no tensor now: a hole, also reported)
     let ps = problems(d.path());
-    assert_eq!(ps, vec![format!("{name}: missing (expected [64, 2] U8)")]);
+    assert_eq!(ps[0], format!("{name}: missing (expected [64, 2] U8)"));
+    assert!(ps.len() == 2 && ps[1].contains("belong to no tensor"), "{ps:#?}");
 }
 
 #[test]
@@ -412,4 +414,53 @@ fn random_header_corruption_never_panics() {
         }
     }
     assert!(bad > 0, "corruption was detected at least once ({ok} opened)");
+}
+
+/// A header naming one tensor twice (parsers keep one or the other), a shard padded with bytes
+/// no tensor owns (a 200 GB sparse file), and a hole between tensors are refused at open,
+/// naming the shard.
+#[test]
+fn duplicate_names_holes_and_padded_shards_are_refused() {
+    // the name twice: spliced into the header text (a JSON map cannot hold it twice)
+    let d = tempfile::tempdir().unwrap();
+    tiny(d.path());
+    let path = shard_of(d.path(), NORM);
+    let b = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let text = std::str::from_utf8(&b[8..8 + n]).unwrap().trim_end().to_string();
+    let h: serde_json::Map<String, Value> = serde_json::from_str(&text).unwrap();
+    let entry = serde_json::to_string(&h[NORM]).unwrap();
+    let spliced = format!("{},\"{NORM}\":{entry}}}", &text[..text.len() - 1]);
+    let mut out = (spliced.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(spliced.as_bytes());
+    out.extend_from_slice(&b[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+    match err(d.path()) {
+        CheckpointError::Shard { msg, .. } => assert!(msg.contains("twice") && msg.contains(NORM), "{msg}"),
+        e => panic!("expected a shard error, got: {e}"),
+    }
+
+    // trailing bytes: a shard made 200 GB by a sparse extension (no data written)
+    let d = tempfile::tempdir().unwrap();
+    let shards = tiny(d.path());
+    let p = d.path().join(&shards[1]);
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(200_000_000_000).unwrap();
+    let ps = problems(d.path());
+    assert!(ps.len() == 1 && ps[0].starts_with(&shards[1]) && ps[0].contains("trailing bytes belong to no tensor"), "{ps:#?}");
+
+    // a hole: one tensor's range moved past a gap
+    let d = tempfile::tempdir().unwrap();
+    tiny(d.path());
+    let path = shard_of(d.path(), NORM);
+    let (mut h, mut data) = read_shard(&path);
+    let end = data.len() as u64;
+    let len = {
+        let o = h[NORM]["data_offsets"].as_array().unwrap();
+        o[1].as_u64().unwrap() - o[0].as_u64().unwrap()
+    };
+    h.get_mut(NORM).unwrap()["data_offsets"] = serde_json::json!([end + 16, end + 16 + len]);
+    data.extend(std::iter::repeat_n(0u8, 16 + len as usize));
+    write_shard(&path, &h, &data);
+    let ps = problems(d.path());
+    assert!(ps.iter().any(|p| p.contains("belong to no tensor (a hole before")), "{ps:#?}");
 }

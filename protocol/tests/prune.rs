@@ -4,9 +4,7 @@
 use std::path::Path;
 
 use k3_protocol::fit::fit_table;
-use k3_protocol::prune::{
-    check_keep, keep_for_budget, prune_checkpoint, pruned_bytes, select, Criterion, ExpertStats, PruneRecord, RECORD_FORMAT,
-};
+use k3_protocol::prune::{check_keep, keep_for_budget, prune_checkpoint, pruned_bytes, select, Criterion, ExpertStats, PruneRecord, RECORD_FORMAT};
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use k3_protocol::tensors::{expert_tensor, layer_tensor, DerivedSizes};
 use k3_protocol::Checkpoint;
@@ -220,6 +218,53 @@ fn statistics_round_trip_and_reject_another_model() {
     assert!(e.contains("format"), "{e}");
     let e = s.layers[0].add(4, &[99, 0, 0, 0], &[0.0; 4], &[0.0; 4]).unwrap_err().to_string();
     assert!(e.contains("expert id 99"), "{e}");
+}
+
+/// Statistics no calibration could write (a sum of 1e308, a negative or infinite sum, more
+/// choices than tokens, sums for an expert nobody chose, a mean gate weight above the scaling
+/// factor) are refused when read or checked against the model, naming the layer and expert.
+#[test]
+fn impossible_statistics_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let a = tiny(11, &d.path().join("a"));
+    let path = d.path().join("stats.json");
+    let cfg = &a.config().text_config;
+    type Edit = fn(&mut ExpertStats);
+    let cases: [(&str, Edit, &str); 7] = [
+        ("saliency 1e308", |s| s.layers[0].saliency_sum[1] = 1e308, "beyond any f32"),
+        ("gate 1e308", |s| s.layers[0].gate_sum[1] = 1e308, "beyond any f32"),
+        ("negative", |s| s.layers[0].gate_sum[2] = -1.0, "finite number"),
+        ("count above tokens", |s| s.layers[0].count[0] = 1000, "passed the layer"),
+        ("more choices than top-k", |s| s.layers[0].count.iter_mut().for_each(|c| *c = 100), "expert choices"),
+        (
+            "sums without a count",
+            |s| {
+                s.layers[0].count[3] = 0;
+                s.layers[0].saliency_sum[3] = 1.0
+            },
+            "chosen by no token",
+        ),
+        ("mean gate above the scaling factor", |s| s.layers[0].gate_sum[1] = 1e6, "routed_scaling_factor"),
+    ];
+    for (what, edit, want) in cases {
+        let mut s = stats_for(&a);
+        edit(&mut s);
+        let text = serde_json::to_string(&s).unwrap();
+        std::fs::write(&path, text).unwrap();
+        let e = match ExpertStats::load(&path) {
+            Err(e) => e.to_string(),
+            Ok(back) => back.check_model(cfg, &a.fingerprint(), &path).unwrap_err().to_string(),
+        };
+        assert!(e.contains(want) && e.contains("layer "), "{what}: {e}");
+    }
+    // serde_json writes an infinite sum as null: a file that cannot be read, refused as malformed.
+    let mut s = stats_for(&a);
+    s.layers[0].saliency_sum[1] = f64::INFINITY;
+    std::fs::write(&path, serde_json::to_string(&s).unwrap()).unwrap();
+    assert!(ExpertStats::load(&path).is_err());
+    // the sums of a real calibration still load
+    stats_for(&a).save(&path).unwrap();
+    ExpertStats::load(&path).unwrap().check_model(cfg, &a.fingerprint(), &path).unwrap();
 }
 
 #[test]

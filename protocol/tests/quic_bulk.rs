@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use k3_protocol::handoff::LayerState;
 use k3_protocol::transport::*;
-use k3_protocol::wire::chunker::part_bytes;
 use k3_protocol::wire::checksum::crc_append;
+use k3_protocol::wire::chunker::part_bytes;
 use k3_protocol::wire::*;
 use quic_support::*;
 
@@ -25,10 +25,7 @@ fn layer_crc(st: &LayerState, ly: &LayerLayout) -> u32 {
 
 fn vm_hwm_kib() -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+    s.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
 }
 
 /// The transfer itself (in the child).
@@ -105,13 +102,8 @@ fn run_in_child(test: &str, mib: u64, streams: u16) -> Outcome {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    let line = text
-        .lines()
-        .find_map(|l| l.find("BULK_RESULT").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("child failed:\n{text}"));
-    let get = |k: &str| -> f64 {
-        line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{k}="))).unwrap().parse().unwrap()
-    };
+    let line = text.lines().find_map(|l| l.find("BULK_RESULT").map(|i| &l[i..])).unwrap_or_else(|| panic!("child failed:\n{text}"));
+    let get = |k: &str| -> f64 { line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{k}="))).unwrap().parse().unwrap() };
     println!("{line}");
     Outcome {
         bytes: get("bytes") as u64,
@@ -134,13 +126,7 @@ fn bulk(test: &str, mib: u64, streams: u16) {
     // Bounded memory: both nodes together (one process) stay far below the state size.
     assert!(o.vmhwm * 3 < o.bytes, "peak RSS {} MiB for a {} MiB state", o.vmhwm >> 20, o.bytes >> 20);
     assert!((o.wire_bytes as f64 / o.bytes as f64 - 1.0) < 0.01, "protocol overhead");
-    println!(
-        "{} MiB in {:.2} s = {:.2} Gbit/s, peak RSS {} MiB",
-        o.bytes >> 20,
-        o.secs,
-        o.bytes as f64 * 8.0 / o.secs / 1e9,
-        o.vmhwm >> 20
-    );
+    println!("{} MiB in {:.2} s = {:.2} Gbit/s, peak RSS {} MiB", o.bytes >> 20, o.secs, o.bytes as f64 * 8.0 / o.secs / 1e9, o.vmhwm >> 20);
 }
 
 #[test]

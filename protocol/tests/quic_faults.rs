@@ -15,8 +15,13 @@ use quic_support::*;
 
 /// Runs one transfer of `small_layout(rows)` with the given hooks; returns the client's
 /// result and the server's.
-async fn transfer_with(server_hooks: FaultHooks, client_hooks: FaultHooks, rows: u64, streams: u16, chunk: u32)
-    -> (Result<(k3_protocol::HandoffState, TransferSummary), TransferError>, Result<Timing, TransferError>) {
+async fn transfer_with(
+    server_hooks: FaultHooks,
+    client_hooks: FaultHooks,
+    rows: u64,
+    streams: u16,
+    chunk: u32,
+) -> (Result<(k3_protocol::HandoffState, TransferSummary), TransferError>, Result<Timing, TransferError>) {
     let (scfg, ccfg) = paired();
     let (addr, _server, srv) = spawn_server(with_hooks(scfg, server_hooks), Behaviour::Serve { seed: 9 }).await;
     let mut client = PrefillClient::connect(addr, with_hooks(ccfg, client_hooks)).await.unwrap();
@@ -190,7 +195,7 @@ async fn raw_request_gets(raw: Vec<u8>) -> (TransferError, TransferError) {
     let e = client.prefill(request(10, 1, 4096), &small_layout(10)).await.map(|_| ()).expect_err("garbage accepted");
     client.close().await;
     let mut s = tokio::time::timeout(Duration::from_secs(20), srv).await.expect("server hung").unwrap();
-    (e, s.remove(0).err().expect("server served garbage"))
+    (e, s.remove(0).expect_err("server served garbage"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

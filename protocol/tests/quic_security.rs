@@ -129,14 +129,8 @@ async fn insecure_dev_mode_works_on_loopback_only() {
     let (mut scfg, mut ccfg) = paired();
     scfg.peers = PeerAuth::InsecureDev;
     ccfg.peers = PeerAuth::InsecureDev;
-    assert!(matches!(
-        PrefillServer::bind("0.0.0.0:0".parse().unwrap(), scfg.clone()),
-        Err(TransferError::InsecureNotLoopback(_))
-    ));
-    assert!(matches!(
-        PrefillClient::connect("192.0.2.1:7433".parse().unwrap(), ccfg.clone()).await,
-        Err(TransferError::InsecureNotLoopback(_))
-    ));
+    assert!(matches!(PrefillServer::bind("0.0.0.0:0".parse().unwrap(), scfg.clone()), Err(TransferError::InsecureNotLoopback(_))));
+    assert!(matches!(PrefillClient::connect("192.0.2.1:7433".parse().unwrap(), ccfg.clone()).await, Err(TransferError::InsecureNotLoopback(_))));
     let (addr, _server, srv) = spawn_server(scfg, Behaviour::Serve { seed: 5 }).await;
     let mut client = PrefillClient::connect(addr, ccfg).await.unwrap();
     let layout = small_layout(20);

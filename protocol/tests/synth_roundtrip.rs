@@ -119,8 +119,7 @@ fn tiny_roundtrip() {
     assert_ne!(ck.fingerprint(), golden.fingerprint());
     assert_eq!(ck.total_bytes(), 4_092_992, "golden README: tiny-a tensors total 4092992 bytes");
     assert_eq!(rep.bytes, ck.total_bytes());
-    let index: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let index: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
     assert_eq!(index["metadata"]["total_size"], 4_092_992);
 }
 

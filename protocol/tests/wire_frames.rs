@@ -35,9 +35,7 @@ fn sample_messages() -> Vec<Message> {
         Message::Accepted(Accepted {
             request: 9,
             base_tokens: 131,
-            layout: StateLayout {
-                layers: vec![LayerLayout::Kda { heads: 2, head_dim: 32, window: 3 }, LayerLayout::Mla { width: 80, rows: 169 }],
-            },
+            layout: StateLayout { layers: vec![LayerLayout::Kda { heads: 2, head_dim: 32, window: 3 }, LayerLayout::Mla { width: 80, rows: 169 }] },
             streams: 4,
             chunk_bytes: 1 << 20,
         }),

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
-use cuda_prefiller::cli::calibrate as cal;
 use cuda_prefiller::cli::backend_args::BackendChoice;
+use cuda_prefiller::cli::calibrate as cal;
 use cuda_prefiller::cli::prune as pr;
 use cuda_prefiller::cpu::CpuBackend;
 use cuda_prefiller::executor::{self, ExecOptions, LogitsRows, PrefillInput};
@@ -126,16 +126,13 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(&prompts, calib.iter().map(|w| serde_json::to_string(w).unwrap() + "\n").collect::<String>())?;
     let stats = o.out.join("stats.json");
     let t0 = std::time::Instant::now();
-    let s = cal::run_with(
-        Arc::new(CpuBackend),
-        &{
-            let mut a = cal::Args::with_paths(&o.model, &prompts, &stats);
-            a.fresh = true;
-            a.backend.choice = BackendChoice::Cpu;
-            a.chunk_tokens = Some(512);
-            a
-        },
-    )?;
+    let s = cal::run_with(Arc::new(CpuBackend), &{
+        let mut a = cal::Args::with_paths(&o.model, &prompts, &stats);
+        a.fresh = true;
+        a.backend.choice = BackendChoice::Cpu;
+        a.chunk_tokens = Some(512);
+        a
+    })?;
     let calib_s = t0.elapsed().as_secs_f64();
     eprintln!("calibrated on {} tokens in {calib_s:.1} s", s.tokens);
     let full = model(&o.model)?;

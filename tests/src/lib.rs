@@ -16,7 +16,11 @@ use k3_protocol::synth::{write_model, Overrides, Preset, SynthOptions};
 use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
 use k3_protocol::{Checkpoint, Fingerprint};
 use mac_decoder::decode::{Engine, GenerateParams};
+use mac_decoder::engine::{EngineHandle, GenerationEngine, StoreOptions};
+use mac_decoder::metrics::Metrics;
 use mac_decoder::remote::{RemoteOptions, RemotePrefiller};
+use mac_decoder::server::AppState;
+use mac_decoder::tokenizer::Tokenizer;
 
 pub use k3_protocol::process::MemoryLog;
 pub use k3_protocol::testdata::{golden_dir, rel_l2};
@@ -55,6 +59,27 @@ pub fn cpu_model(dir: &Path) -> Model<CpuBackend> {
 /// A prefill node serving `dir` on the CPU backend, on a loopback port.
 pub fn start_node(dir: &Path, cfg: NodeConfig, opts: ServeOptions) -> PrefillNode {
     PrefillNode::start(cpu_model(dir), "127.0.0.1:0".parse().unwrap(), cfg, opts).expect("prefill node starts")
+}
+
+/// The decoder's HTTP server state over an engine thread running the engine `make` builds
+/// (fresh metrics, no API key; tests set `guard` on the result before serving it).
+pub fn app_state<E, F>(make: F, store: StoreOptions, tok: Arc<Tokenizer>, model_id: &str) -> AppState
+where
+    E: GenerationEngine,
+    F: FnOnce() -> anyhow::Result<E> + Send + 'static,
+{
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::spawn(make, store, metrics.clone()).expect("engine thread starts");
+    AppState::new(engine, tok, metrics, model_id.into(), None)
+}
+
+/// Serves `state` (`k3-decode serve`'s HTTP server) on a free loopback port in the background of
+/// the current tokio runtime; its address.
+pub async fn serve_http(state: AppState) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a loopback port");
+    let addr = listener.local_addr().expect("bound");
+    tokio::spawn(mac_decoder::server::serve(listener, Arc::new(state), std::future::pending()));
+    addr
 }
 
 /// Remote options for tests: short timeouts, every prompt of at least `min_tokens` goes remote.
@@ -109,7 +134,6 @@ pub fn cpu_prefill(model: &Model<CpuBackend>, tokens: &[u32]) -> (HandoffState, 
     let out = executor::prefill(model, &mut st, PrefillInput::tokens(tokens), &opts, |_| Ok(())).expect("cpu prefill");
     (st, out.logits)
 }
-
 
 /// Top-1 minus top-2 of a logits row (how safe a greedy comparison is).
 pub fn top_margin(row: &[f32]) -> f32 {

@@ -1,6 +1,7 @@
 //! The real binaries, as the demo drives them: `k3-prefill serve` on loopback and
 //! `k3-decode generate --prefill-node` (two turns, then two decoders at once), compared with
-//! local runs; and a decoder that is not paired falls back locally with a message saying so.
+//! local runs; a decoder that is not paired falls back locally with a message saying so; and
+//! SIGTERM ends `serve` within 5 s while a long pass computes.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -157,7 +158,8 @@ fn serve_and_generate_binaries_match_local() {
             let (model, addr, cfgs) = (model.clone(), server.addr.clone(), cfgs.to_string());
             std::thread::spawn(move || {
                 let p = path.to_str().unwrap().to_string();
-                let (v, e) = generate(&model, &["--input-ids", &p, "--prefill-node", &addr, "--insecure-dev", "--remote-min-tokens", "1", "--config-dir", &cfgs]);
+                let (v, e) =
+                    generate(&model, &["--input-ids", &p, "--prefill-node", &addr, "--insecure-dev", "--remote-min-tokens", "1", "--config-dir", &cfgs]);
                 assert!(e.contains("remote prefill ingested"), "decoder {d} did not use the node:\n{e}");
                 (ids, v)
             })
@@ -231,4 +233,121 @@ fn decoder_ranks_decode_a_prefill_nodes_handoff() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["tokens"], local["tokens"], "{n} ranks from the node's hand-off vs one local process");
     }
+}
+
+/// SIGTERM used to leave `k3-prefill serve` computing until its pass ended (minutes for a long
+/// prompt: SIGKILL was needed). Now the node abandons the pass in flight before its next token
+/// chunk and exits within 5 s. Here a 300,000-token prompt (a layer takes tens of seconds on the
+/// CPU backend) is computing when the signal comes.
+#[test]
+fn sigterm_ends_serve_within_five_seconds_while_a_long_pass_computes() {
+    use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, PrefillClient, TransferEvent};
+    use k3_protocol::wire::{PrefillOptions, PrefillRequest, SessionId, StateLayout};
+    init_tracing();
+    let model = golden_dir("tiny-a");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut server = serve(&model, &tmp.path().join("config"));
+    let addr: std::net::SocketAddr = server.addr.parse().unwrap();
+    let c = k3_protocol::Checkpoint::open(&model).unwrap().config().text_config.clone();
+    let cfg = NodeConfig::new(NodeIdentity::generate().unwrap(), PeerAuth::InsecureDev, fingerprint_of(&model), "mlx");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let n = 300_000;
+    // The transfer stays open (in a task) until the end: the node must not wait for its decoder.
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let held = rt.spawn(async move {
+        let mut client = PrefillClient::connect(addr, cfg).await.expect("connect");
+        let request = PrefillRequest {
+            session: SessionId::random(),
+            base: None,
+            tokens: prompt(11, n, 1000),
+            image_embeddings: None,
+            options: PrefillOptions { keep_session: true, return_last_logits: true, ..PrefillOptions::default() },
+        };
+        let mut t = client.prefill(request, &StateLayout::for_model(&c, n)).await.expect("accepted");
+        match t.next().await.expect("transfer") {
+            Some(TransferEvent::Progress(p)) if p.layers_done == 0 => started_tx.send(()).unwrap(),
+            other => panic!("expected the start first: {other:?}"),
+        }
+        let _ = release_rx.await;
+    });
+    started_rx.recv_timeout(Duration::from_secs(60)).expect("the node started the prompt");
+    std::thread::sleep(Duration::from_secs(1));
+    let pid = server.child.id().to_string();
+    let t0 = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "k3-prefill serve still runs 5 s after SIGTERM; log:\n{}", server.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    eprintln!("k3-prefill serve exited {:.2} s after SIGTERM ({status})", took.as_secs_f64());
+    std::thread::sleep(Duration::from_millis(200)); // the log reader catches up
+    let log = server.log.lock().unwrap().clone();
+    assert!(status.success(), "exit status {status}; log:\n{log}");
+    assert!(log.contains("terminated; shutting down") && log.contains("prefill node stopped"), "{log}");
+    let _ = release_tx.send(());
+    let _ = rt.block_on(held);
+}
+
+/// Weight identity across the two binaries: a checkpoint whose shard was edited in place
+/// (size and mtime kept, so its digest cache still looks current) is refused by
+/// `k3-prefill forward`; run again, forward hashes the weights afresh and labels the state with
+/// the edited checkpoint's true fingerprint, which `k3-decode generate --state` on the
+/// original checkpoint refuses. Before, the state carried the original fingerprint and the
+/// decoder took it (other tokens).
+#[test]
+fn a_state_from_edited_weights_is_not_taken_for_the_original_model() {
+    let (prefill, decode) = binaries();
+    let a = synth(1, |_| {});
+    let b = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(a.path()).unwrap().flatten() {
+        if !e.file_name().to_string_lossy().starts_with('.') {
+            std::fs::copy(e.path(), b.path().join(e.file_name())).unwrap();
+        }
+    }
+    let fa = fingerprint_of(a.path());
+    assert_eq!(fingerprint_of(b.path()), fa, "the copy hashes to the same fingerprint (its digest is cached now)");
+    let name = "language_model.model.layers.2.input_layernorm.weight";
+    let (path, at) = {
+        let ck = k3_protocol::Checkpoint::open(b.path()).unwrap();
+        let e = ck.entry(name).unwrap().clone();
+        (b.path().join(ck.shard_name(e.shard)), e.start)
+    };
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::File::options().write(true).open(&path).unwrap().set_modified(mtime).unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = write_ids(tmp.path(), "ids.json", &[3, 17, 250, 9, 44, 100]);
+    let forward = |model: &Path, out: &Path| {
+        Command::new(&prefill).args(["forward", "--backend", "cpu", "--model"]).arg(model).arg("--input-ids").arg(&ids).arg("--out").arg(out).output().unwrap()
+    };
+    let state_b = tmp.path().join("b.safetensors");
+    let o = forward(b.path(), &state_b);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(name) && err.contains("differ from the weight digest"), "forward used the edited weights:\n{err}");
+    assert!(!state_b.exists());
+    let o = forward(b.path(), &state_b);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let fb = fingerprint_of(b.path());
+    assert_ne!(fb, fa);
+
+    let run = |state: &Path| {
+        Command::new(&decode).args(["generate", "--greedy", "--max-new-tokens", "4", "--model"]).arg(a.path()).arg("--state").arg(state).output().unwrap()
+    };
+    let o = run(&state_b);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the decoder took a state of other weights:\n{err}");
+    assert!(err.contains(&fb.hex()[..16]) || err.contains(&fb.hex()), "the refusal names the state's model:\n{err}");
+    // the original checkpoint's own state is taken
+    let state_a = tmp.path().join("a.safetensors");
+    assert!(forward(a.path(), &state_a).status.success());
+    let o = run(&state_a);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }

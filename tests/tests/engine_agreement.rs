@@ -8,6 +8,7 @@
 //!   perplexity; MLX BF16 within 1 % with top-1 agreement ≥ 98 %;
 //! - greedy continuations of 64 tokens from 20 held-out prompts: no divergence between f32
 //!   engines; where BF16 diverges, each engine's token is in the other's top-5 there (vLLM's rule).
+//!
 //! The CUDA engines get the same bounds in `cuda-prefiller/tests/cuda_tiny_t.rs` (GPU box).
 //! Numbers: docs/engine-agreement.md.
 

@@ -130,12 +130,15 @@ fn node_with_other_weights_of_the_same_architecture() {
 
 /// A shard damaged after its digest was cached (size and mtime kept, as bit rot would): the
 /// fingerprint still matches, but the node checks each layer's bytes as it uses them and fails
-/// the transfer instead of sending state computed from the damaged weights.
+/// the transfer instead of sending state computed from the damaged weights. (The decoder runs
+/// an intact copy: it checks its own weights as it loads them and would refuse the damaged one.)
 #[test]
 fn node_with_a_damaged_layer_refuses_to_use_it() {
     init_tracing();
     let dir = synth(3, |_| {});
+    let intact = synth(3, |_| {});
     let fp = fingerprint_of(dir.path()); // digest made and cached beside the checkpoint
+    assert_eq!(fingerprint_of(intact.path()), fp);
     let name = "language_model.model.layers.2.input_layernorm.weight";
     let (path, at) = {
         let ck = k3_protocol::Checkpoint::open(dir.path()).unwrap();
@@ -151,10 +154,23 @@ fn node_with_a_damaged_layer_refuses_to_use_it() {
     assert_eq!(fingerprint_of(dir.path()), fp, "size and mtime kept: the cached digest is used");
     let (scfg, ccfg) = paired(fp, fp);
     let node = start_node(dir.path(), scfg, ServeOptions::default());
-    let engine = Engine::load(dir.path()).unwrap();
+    let engine = Engine::load(intact.path()).unwrap();
     let mut remote = remote(&engine, node.local_addr(), ccfg, 1);
     expect_fallback(&engine, &mut remote, &prompt(73, 120, 1000), &["remote prefill on", "weight digest"]);
     assert!(node.snapshot().counters.layers_sent <= 2, "layers after the damaged one were sent");
+    // the damaged copy's cached digest was deleted: opened again, it has its own fingerprint
+    assert_ne!(fingerprint_of(dir.path()), fp);
+    // and the decoder refuses to load a damaged checkpoint whose cache still matches its stamps
+    let damaged = synth(3, |_| {});
+    assert_eq!(fingerprint_of(damaged.path()), fp);
+    let path = damaged.path().join(path.file_name().unwrap());
+    let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+    let mut b = std::fs::read(&path).unwrap();
+    b[at] ^= 0x01;
+    std::fs::write(&path, &b).unwrap();
+    std::fs::File::options().write(true).open(&path).unwrap().set_modified(mtime).unwrap();
+    let e = format!("{:#}", Engine::load(damaged.path()).err().expect("the decoder loaded weights that differ from its fingerprint's digest"));
+    assert!(e.contains(name) && e.contains("differ from the weight digest"), "{e}");
 }
 
 /// Issue 21: a decoder request whose client left kept the node computing (a disconnect at 2 s
@@ -184,7 +200,7 @@ fn a_cancelled_request_stops_the_remote_prefill_within_a_layer() {
         Instant::now()
     });
     let mut conv = Conversation::new(&engine).unwrap();
-    let err = remote.prefill(&engine, &mut conv, &prompt(91, 200, 1000), None).err().expect("a cancelled prefill must not succeed");
+    let err = remote.prefill(&engine, &mut conv, &prompt(91, 200, 1000), None).expect_err("a cancelled prefill must not succeed");
     let cancelled_at = canceller.join().unwrap();
     let returned_s = cancelled_at.elapsed().as_secs_f64();
     assert!(err.downcast_ref::<mac_decoder::remote::Cancelled>().is_some(), "{err:#}");
@@ -213,10 +229,7 @@ fn corrupted_chunk_is_never_used() {
     let fp = fingerprint_of(&dir);
     let (scfg, ccfg) = paired(fp, fp);
     // Chunk 5 gets one payload byte flipped after its checksum was computed.
-    let scfg = k3_protocol::transport::NodeConfig {
-        hooks: Arc::new(FaultHooks { corrupt_chunk: Some(5), ..FaultHooks::default() }),
-        ..scfg
-    };
+    let scfg = k3_protocol::transport::NodeConfig { hooks: Arc::new(FaultHooks { corrupt_chunk: Some(5), ..FaultHooks::default() }), ..scfg };
     let node = start_node(&dir, scfg, ServeOptions::default());
     let engine = Engine::load(&dir).unwrap();
     let mut remote = remote(&engine, node.local_addr(), ccfg, 1);

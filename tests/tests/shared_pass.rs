@@ -81,7 +81,7 @@ fn a_shared_pass_equals_separate_runs_bitwise() {
         .unwrap()
     };
     assert!(feed.layer_calls.iter().all(|&c| c == 1), "each layer's weights are taken once: {:?}", feed.layer_calls);
-    let err = outs[3].as_ref().err().expect("the bad request fails");
+    let err = outs[3].as_ref().expect_err("the bad request fails");
     assert!(format!("{err:#}").contains("outside the vocabulary"), "{err:#}");
     assert_eq!(states[3].tokens, 0, "the failed request's state is untouched");
     assert!(seen[3].is_empty());
@@ -99,7 +99,15 @@ fn a_shared_pass_equals_separate_runs_bitwise() {
 }
 
 /// One decoder's request over QUIC: the delta state and the last logits.
-async fn request(addr: std::net::SocketAddr, cfg: k3_protocol::transport::NodeConfig, session: SessionId, base: Option<&[u32]>, tokens: Vec<u32>, c: &k3_protocol::TextConfig, start: Arc<tokio::sync::Barrier>) -> (HandoffState, Vec<f32>) {
+async fn request(
+    addr: std::net::SocketAddr,
+    cfg: k3_protocol::transport::NodeConfig,
+    session: SessionId,
+    base: Option<&[u32]>,
+    tokens: Vec<u32>,
+    c: &k3_protocol::TextConfig,
+    start: Arc<tokio::sync::Barrier>,
+) -> (HandoffState, Vec<f32>) {
     let mut client = PrefillClient::connect(addr, cfg).await.expect("connect");
     let options = PrefillOptions { keep_session: true, return_last_logits: true, ..PrefillOptions::default() };
     if let Some(first) = base {

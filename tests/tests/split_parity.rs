@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use cuda_prefiller::server::{RequestOutcome, PrefillNode, ServeOptions};
+use cuda_prefiller::server::{PrefillNode, RequestOutcome, ServeOptions};
 use k3_e2e_tests::*;
 use mac_decoder::decode::{Engine, GenerateParams};
 use mac_decoder::remote::{Conversation, RemotePrefiller, Route};

@@ -68,8 +68,8 @@ struct Row {
 }
 
 /// Times every op at each length of `tokens`; prints one JSON line per op, then a table.
-pub fn run(tokens: &[usize], reps: usize, json: bool) -> Result<()> {
-    let b = CudaBackend::new(Precision::Bf16)?;
+pub fn run(tokens: &[usize], reps: usize, json: bool, cuda: &crate::cuda::CudaOptions) -> Result<()> {
+    let b = CudaBackend::new(Precision::Bf16, cuda)?;
     let (hid, kh, kd, shared) = (7168usize, 96usize, 128usize, 6144usize);
     let c = kh * kd;
     let dims = KdaDims { heads: kh, head_dim: kd };
@@ -130,7 +130,11 @@ pub fn run(tokens: &[usize], reps: usize, json: bool) -> Result<()> {
             let ptrs: Vec<u64> = bank.iter().map(|x| x.ptr()).collect();
             let out = b.empty(t, hid)?;
             let (nwp, pwp) = (norm_w.f32.as_ref().map(|m| m.ptr).unwrap_or(0), proj_w.f32.as_ref().map(|m| m.ptr).unwrap_or(0));
-            for (name, kern) in [("attn_res_mix, float4 + prefetch", AttnResKernel::Vec4 { prefetch: true }), ("attn_res_mix, float4, no prefetch", AttnResKernel::Vec4 { prefetch: false }), ("attn_res_mix, scalar (reads twice)", AttnResKernel::Scalar)] {
+            for (name, kern) in [
+                ("attn_res_mix, float4 + prefetch", AttnResKernel::Vec4 { prefetch: true }),
+                ("attn_res_mix, float4, no prefetch", AttnResKernel::Vec4 { prefetch: false }),
+                ("attn_res_mix, scalar (reads twice)", AttnResKernel::Scalar),
+            ] {
                 if kernels::attnres_mix_variant(&b.gpu, kern, &ptrs, p.ptr(), nwp, pwp, out.ptr(), t, hid, 1e-5, true).is_err() {
                     continue;
                 }

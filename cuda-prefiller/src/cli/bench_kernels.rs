@@ -80,13 +80,15 @@ pub struct KernelBench<'a> {
     pub kda_only: bool,
     /// Only the MLA attention kernels.
     pub mla_only: bool,
-    /// Extra dense-expert settings (each as `K3_MOE_DENSE`).
+    /// Extra dense-expert settings (each as `--moe-dense`, over the backend's).
     pub moe_dense_configs: &'a [String],
+    /// The backend's options (`--moe-dense`, `--mla-kernel`, …).
+    pub cuda: crate::cuda::CudaOptions,
 }
 
 pub fn run(args: &KernelBench) -> Result<()> {
     use crate::backend::KdaDims;
-    let mut b = CudaBackend::new(Precision::Bf16)?;
+    let mut b = CudaBackend::new(Precision::Bf16, &args.cuda)?;
     let g = b.gpu.clone();
     let (h, d) = (96usize, 128usize);
     let kd = KdaDims { heads: h, head_dim: d };
@@ -143,14 +145,7 @@ pub fn run(args: &KernelBench) -> Result<()> {
         }
         let (mla_ms, mflops) = mla_times(&b, t, args.reps)?;
         let m = moe_bench.time(&mut b, t, args.reps, args.moe_dense_configs)?;
-        let r = KernelRow {
-            tokens: t,
-            kda_ms,
-            kda_tflops: kflops / kda_ms / 1e9,
-            mla_ms,
-            mla_tflops: mflops / mla_ms / 1e9,
-            moe: m,
-        };
+        let r = KernelRow { tokens: t, kda_ms, kda_tflops: kflops / kda_ms / 1e9, mla_ms, mla_tflops: mflops / mla_ms / 1e9, moe: m };
         println!("{}", serde_json::to_string(&r)?);
         rows.push(r);
     }
@@ -180,12 +175,6 @@ fn mla_times(b: &CudaBackend, t: usize, reps: usize) -> Result<(f64, f64)> {
     let mut kernels_run = vec![kk::MlaKernel::MmaSync];
     if kk::mla_sm90_supported(&g, dqk, dv) {
         kernels_run.extend(kk::MLA_SM90_VARIANTS.iter().map(|v| kk::MlaKernel::Wgmma(*v)));
-        // a configuration outside that list (the pipelined ones) when K3_MLA_KERNEL names it
-        if let kk::MlaKernel::Wgmma(v) = kk::MlaKernel::from_env()? {
-            if !kk::MLA_SM90_VARIANTS.contains(&v) {
-                kernels_run.push(kk::MlaKernel::Wgmma(v));
-            }
-        }
     }
     let (kvs, (dn, dr)) = (h * (128 + dv), (128, 64));
     let operands = kk::MlaOperands { q: qf.ptr(), qs: h * dqk, kv: kvf.ptr(), kvs, kpe: kpe.ptr(), kps: 64, tq: t, pos0: 0, h, dn, dr, dv };

@@ -17,8 +17,8 @@ use crate::calibrate::{MoeObserverRef, StatsCollector};
 use crate::cli::backend_args::{BackendArgs, Opened};
 use crate::cli::forward::StreamArgs;
 use crate::executor::{ExecOptions, LogitsRows, PrefillInput};
-use crate::model::{Model, WeightPolicy};
-use crate::streamer::{prefill_maybe_streamed, streamed_weights_for};
+use crate::memory_plan::{LogitsKept, PlanRequest};
+use crate::prefiller::{Prefiller, PrefillerOptions, WeightMode};
 
 /// Arguments of `k3-prefill calibrate`.
 #[derive(clap::Args, Debug)]
@@ -44,6 +44,8 @@ pub struct Args {
     pub chunk_tokens: Option<usize>,
     #[command(flatten)]
     pub stream: StreamArgs,
+    #[command(flatten)]
+    pub memory: crate::cli::backend_args::MemoryArgs,
 }
 
 impl Args {
@@ -88,12 +90,9 @@ impl<'a> PromptTokenizer<'a> {
 /// One prompt line: a JSON array of token ids, or `{"text": "..."}`, encoded with the
 /// checkpoint's tokenizer as plain text (special-token names in it are not special).
 pub fn parse_prompt(line: &str, lineno: usize, path: &Path, tok: &mut PromptTokenizer) -> anyhow::Result<Vec<u32>> {
-    let v: serde_json::Value =
-        serde_json::from_str(line).with_context(|| format!("{} line {lineno}: not JSON", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{} line {lineno}: not JSON", path.display()))?;
     let ids = match v {
-        serde_json::Value::Array(a) => {
-            k3_protocol::files::token_ids(&a).with_context(|| format!("{} line {lineno}", path.display()))?
-        }
+        serde_json::Value::Array(a) => k3_protocol::files::token_ids(&a).with_context(|| format!("{} line {lineno}", path.display()))?,
         serde_json::Value::Object(o) if o.contains_key("text") => {
             let Some(text) = o.get("text").and_then(|t| t.as_str()) else {
                 bail!("{} line {lineno}: \"text\" must be a string", path.display());
@@ -114,12 +113,7 @@ pub fn parse_prompt(line: &str, lineno: usize, path: &Path, tok: &mut PromptToke
 /// The non-blank lines of the prompt file, trimmed, with their 1-based line numbers.
 fn prompt_lines(path: &Path) -> anyhow::Result<Vec<(usize, String)>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read prompts {}", path.display()))?;
-    Ok(text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l.trim().to_string()))
-        .collect())
+    Ok(text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()).map(|(i, l)| (i + 1, l.trim().to_string())).collect())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -136,11 +130,26 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
         bail!("{}: no prompts", args.prompts.display());
     }
     let mut tok = PromptTokenizer::new(&args.model);
-    let prompts: Vec<Vec<u32>> =
-        lines.iter().map(|(n, l)| parse_prompt(l, *n, &args.prompts, &mut tok)).collect::<anyhow::Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = lines.iter().map(|(n, l)| parse_prompt(l, *n, &args.prompts, &mut tok)).collect::<anyhow::Result<_>>()?;
     let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
     let fingerprint = ck.fingerprint();
-    let model = Model::new(backend, ck, WeightPolicy::PerLayer)?;
+    let streams = backend.streams_weights();
+    let chunk = args.chunk_tokens.unwrap_or_else(|| backend.default_chunk_tokens().min(2048)).max(1);
+    let pf = Prefiller::open(
+        backend,
+        ck,
+        &PrefillerOptions {
+            weights: if streams { WeightMode::Streamed(args.stream.options()?) } else { WeightMode::PerLayer },
+            memory: args.memory.options(),
+            chunk_tokens: Some(chunk),
+            logits: LogitsKept::None,
+            design: vec![PlanRequest { base: 0, new: prompts.iter().map(Vec::len).max().unwrap_or(1).max(1) }],
+            design_cap: usize::MAX,
+            emulate_source_gbs: None,
+        },
+    )?;
+    eprintln!("{}", pf.design_plan.line());
+    let model = &*pf.model;
 
     let stats = if args.out.exists() && !args.fresh {
         let s = ExpertStats::load(&args.out)?;
@@ -148,7 +157,8 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
         if s.prompts_done > lines.len() {
             bail!("{}: {} prompts already done, but {} holds only {}", args.out.display(), s.prompts_done, args.prompts.display(), lines.len());
         }
-        let digest = lines[..s.prompts_done].iter().fold(ExpertStats::new(&model.cfg, &fingerprint).prompts_digest, |d, (_, l)| ExpertStats::chain_digest(&d, l));
+        let digest =
+            lines[..s.prompts_done].iter().fold(ExpertStats::new(&model.cfg, &fingerprint).prompts_digest, |d, (_, l)| ExpertStats::chain_digest(&d, l));
         if digest != s.prompts_digest {
             bail!(
                 "{}: its first {} prompts differ from those in {} (resume with the same prompt file, or pass --fresh)",
@@ -168,13 +178,7 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
         return Ok(stats);
     }
     let collector = StatsCollector::new(stats);
-    let opts = ExecOptions {
-        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens().min(2048)).max(1),
-        logits: LogitsRows::None,
-        moe_observer: Some(MoeObserverRef(collector.clone())),
-        ..Default::default()
-    };
-    let streamed = if model.backend.streams_weights() { Some(streamed_weights_for(&model, &args.stream.options()?)?) } else { None };
+    let opts = ExecOptions { chunk_tokens: chunk, logits: LogitsRows::None, moe_observer: Some(MoeObserverRef(collector.clone())), ..Default::default() };
     let todo: u64 = prompts[done..].iter().map(|p| p.len() as u64).sum();
     let bar = ProgressBar::new(todo);
     bar.set_style(
@@ -186,7 +190,13 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
         bar.set_message(format!("prompt {}/{}", i + 1, prompts.len()));
         let before = collector.snapshot();
         let mut state = HandoffState::empty(&model.cfg);
-        let r = prefill_maybe_streamed(&model, streamed.as_ref(), &mut state, PrefillInput::tokens(ids), &opts, |_| Ok(()));
+        // The statistics carry the fingerprint: the weights that made them are checked against
+        // it (each layer once per process, SHA-256; see `forward`).
+        let r = model
+            .ck
+            .verify_outside_layers()
+            .map_err(anyhow::Error::from)
+            .and_then(|()| pf.prefill(&mut state, PrefillInput::tokens(ids), &opts, |ev| Ok(model.ck.verify_layer(ev.layer)?)));
         if let Err(e) = r {
             collector.restore(before);
             return Err(e.context(format!("prompt {} ({} line {})", i + 1, args.prompts.display(), lines[i].0)));

@@ -12,10 +12,11 @@ use k3_protocol::handoff::{load_session, save_session, token_prefix_hash, Handof
 use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
-use crate::cli::backend_args::{BackendArgs, Opened};
+use crate::cli::backend_args::{BackendArgs, MemoryArgs, Opened};
 use crate::executor::{ExecOptions, HiddenTrace, LogitsRows, PrefillInput};
-use crate::model::{Model, WeightPolicy};
-use crate::streamer::{prefill_maybe_streamed, streamed_weights_for, StreamOptions, WeightsFrom};
+use crate::memory_plan::{LogitsKept, PlanRequest};
+use crate::prefiller::{Prefiller, PrefillerOptions, WeightMode};
+use crate::streamer::{StreamOptions, WeightsFrom};
 
 /// Arguments of `k3-prefill forward`.
 #[derive(clap::Args, Debug)]
@@ -37,12 +38,14 @@ pub struct Args {
     /// Also write the golden `hidden.*` vectors of the last position.
     #[arg(long)]
     pub dump_hidden: bool,
-    /// Tokens per chunk within a layer (default: 512 on the CPU, 16384 on a GPU with ≥ 64 GiB,
-    /// 4096 on smaller GPUs).
+    /// Tokens per chunk within a layer (default: the memory plan's, at most 512 on the CPU,
+    /// 16384 on a GPU with ≥ 64 GiB, 4096 on smaller GPUs).
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
     #[command(flatten)]
     pub stream: StreamArgs,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// CUDA: load each layer's weights synchronously when the executor reaches it instead of
     /// streaming them (the former path; for comparison).
     #[arg(long)]
@@ -54,13 +57,9 @@ pub struct Args {
 /// layer computes; each prompt's weights cross PCIe once (layer-major).
 #[derive(clap::Args, Debug, Clone)]
 pub struct StreamArgs {
-    /// CUDA: device memory for the streamer's weight slots, GB (default: two of the largest
-    /// layer). When two whole layers do not fit, each layer's routed experts stream in chunks
-    /// (e.g. 24 on a 32 GB card).
-    #[arg(long)]
-    pub vram_budget: Option<f64>,
     /// CUDA: at most this many routed experts per transfer unit (experts stream in chunks even
-    /// where whole layers fit the budget).
+    /// where whole layers fit the budget, in units of their own after the layer's dense tensors,
+    /// also when N holds all of a layer's experts: the layer's attention starts before they arrive).
     #[arg(long)]
     pub expert_chunk: Option<usize>,
     /// CUDA: reader threads filling the staging buffers (default: half the cores, 2 to 8).
@@ -88,7 +87,8 @@ impl StreamArgs {
         let d = StreamOptions::default();
         anyhow::ensure!(self.stage_mib > 0, "--stage-mib must be at least 1");
         Ok(StreamOptions {
-            vram_budget: StreamOptions::budget_from_gb(self.vram_budget)?,
+            // the memory plan sizes the slots (crate::prefiller)
+            vram_budget: None,
             readers: self.stream_readers.unwrap_or(d.readers).max(1),
             stage_bytes: self.stage_mib << 20,
             expert_chunk: self.expert_chunk,
@@ -100,12 +100,13 @@ impl StreamArgs {
                 WeightsFrom::PageCache
             },
             copy_window: self.copy_window,
+            embed_on_device: true,
         })
     }
 
     /// Whether any streaming option was given (they only apply to the CUDA backend).
     pub fn given(&self) -> bool {
-        self.vram_budget.is_some() || self.expert_chunk.is_some() || self.stream_readers.is_some() || self.pin_host || self.direct_io || self.copy_window.is_some()
+        self.expert_chunk.is_some() || self.stream_readers.is_some() || self.pin_host || self.direct_io || self.copy_window.is_some()
     }
 }
 
@@ -142,10 +143,10 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
     }
     let ck = Arc::new(Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?);
     let fingerprint = ck.fingerprint();
-    let model = Model::new(backend, ck, WeightPolicy::PerLayer)?;
+    let cfg = ck.config().text_config.clone();
     let mut state = match &args.state {
         Some(p) => {
-            let sf = load_session(p, &model.cfg)?;
+            let sf = load_session(p, &cfg)?;
             if let Some(fp) = sf.fingerprint {
                 if fp != fingerprint {
                     bail!("session {} was made with model {}, not {}", p.display(), fp.short(), fingerprint.short());
@@ -153,33 +154,44 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
             }
             sf.state
         }
-        None => HandoffState::empty(&model.cfg),
+        None => HandoffState::empty(&cfg),
     };
     let base = state.tokens;
-    let opts = ExecOptions {
-        chunk_tokens: args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens()).max(1),
-        logits: LogitsRows::All,
-        trace_last: args.dump_hidden,
-        ..Default::default()
-    };
-    let streamed = if model.backend.streams_weights() && !args.sync_weights {
-        Some(streamed_weights_for(&model, &args.stream.options()?)?)
+    let weights = if backend.streams_weights() && !args.sync_weights {
+        WeightMode::Streamed(args.stream.options()?)
     } else {
         if args.stream.given() {
             tracing::warn!("the weight-streaming options apply to the CUDA backend without --sync-weights; ignored");
         }
-        None
+        WeightMode::PerLayer
     };
+    // the plan first: a prompt that cannot fit is refused before any weight is read
+    let pf = Prefiller::open(
+        backend,
+        ck,
+        &PrefillerOptions {
+            weights,
+            memory: args.memory.options(),
+            chunk_tokens: args.chunk_tokens.map(|c| c.max(1)),
+            logits: LogitsKept::All,
+            design: vec![PlanRequest { base, new: ids.len() }],
+            design_cap: usize::MAX,
+            emulate_source_gbs: None,
+        },
+    )?;
+    eprintln!("{}", pf.design_plan.line());
+    let model = &pf.model;
+    let opts = ExecOptions { logits: LogitsRows::All, trace_last: args.dump_hidden, ..Default::default() };
     let bar = ProgressBar::new(model.plan.len() as u64);
     bar.set_style(ProgressStyle::with_template("{msg} [{bar:40}] layer {pos}/{len} {elapsed}").unwrap_or_else(|_| ProgressStyle::default_bar()));
-    bar.set_message(format!(
-        "prefill {} tokens ({}{})",
-        ids.len(),
-        model.backend.name(),
-        if streamed.is_some() { ", streamed weights" } else { "" }
-    ));
+    bar.set_message(format!("prefill {} tokens ({}{})", ids.len(), model.backend.name(), if pf.streamed.is_some() { ", streamed weights" } else { "" }));
     let t0 = std::time::Instant::now();
-    let (out, stats) = prefill_maybe_streamed(&model, streamed.as_ref(), &mut state, PrefillInput::tokens(&ids), &opts, |ev| {
+    // Weight identity: the state is labelled with the fingerprint only once every tensor the
+    // pass read matched the digest the fingerprint is made from (SHA-256, as `serve` checks each
+    // layer); a forged digest cache or a shard edited in place is refused, and its cache deleted.
+    model.ck.verify_outside_layers().context("checking the weights against the model fingerprint")?;
+    let (out, stats, _plan) = pf.prefill(&mut state, PrefillInput::tokens(&ids), &opts, |ev| {
+        model.ck.verify_layer(ev.layer).context("checking the weights against the model fingerprint")?;
         bar.inc(1);
         tracing::debug!(layer = ev.layer, "layer state ready");
         Ok(())
@@ -196,6 +208,8 @@ pub fn run_with<B: Backend + 'static>(backend: Arc<B>, args: &Args) -> anyhow::R
         );
     }
 
+    // every layer was checked as it ran; this answers from those results
+    model.ck.verify_all().context("checking the weights against the model fingerprint")?;
     let mut extra: Vec<(String, Vec<usize>, Vec<f32>)> = vec![("logits".into(), vec![out.logits_rows, out.vocab], out.logits)];
     if let Some(t) = &out.trace {
         extra.extend(hidden_tensors(t, model.dims.hidden));

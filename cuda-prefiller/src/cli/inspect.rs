@@ -33,6 +33,42 @@ pub struct Args {
     /// host count, routed experts split by expert, e.g. `--hosts 2,4`.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub hosts: Vec<u64>,
+    /// The prefill node's GPU, GB (10^9 bytes): print the longest prompt it can prefill
+    /// (`longest prompt: N tokens`, BF16, weights streamed from disk, the default budget of a
+    /// card this size: its memory less the CUDA context (0.5 GB) and the plan's margin).
+    #[arg(long)]
+    pub gpu_memory: Option<f64>,
+    /// The prefill node's host memory, GB (with `--gpu-memory`; default 64).
+    #[arg(long)]
+    pub host_memory: Option<f64>,
+}
+
+/// The longest prompt a prefill node of given memory can take ([`crate::memory_plan`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillFit {
+    pub gpu_memory_gb: f64,
+    pub host_memory_gb: f64,
+    pub longest_prompt: usize,
+    /// The plan at that length (one line).
+    pub plan: String,
+}
+
+/// The CUDA context of a process on a GPU, bytes (measured ~0.5 GB on the H200).
+const CUDA_CONTEXT: u64 = 500_000_000;
+
+/// [`PrefillFit`] for `cfg` on a GPU of `gpu_gb` with `host_gb` of host memory.
+pub fn prefill_fit(cfg: &K3Config, gpu_gb: f64, host_gb: f64) -> anyhow::Result<PrefillFit> {
+    use crate::memory_plan::*;
+    anyhow::ensure!(gpu_gb > 0.0 && host_gb > 0.0, "--gpu-memory and --host-memory must be positive");
+    let c = &cfg.text_config;
+    let g = Geometry::of(c, &c.layer_plan())?;
+    let total = (gpu_gb * 1e9) as u64;
+    let be = BackendShape::cuda(true, total);
+    let lim = Limits { device: total.saturating_sub(CUDA_CONTEXT + DEFAULT_MARGIN), host: ((host_gb * 1e9) as u64).saturating_sub(HOST_MARGIN) };
+    let k = Knobs::default();
+    let n = longest_prompt(&g, &be, lim, &k);
+    let plan = if n > 0 { plan(&g, &be, &[PlanRequest { base: 0, new: n }], lim, &k).map(|p| p.line()).unwrap_or_default() } else { String::new() };
+    Ok(PrefillFit { gpu_memory_gb: gpu_gb, host_memory_gb: host_gb, longest_prompt: n, plan })
 }
 
 /// Bytes and parameters of one component of the model.
@@ -84,6 +120,8 @@ pub struct Report {
     pub fit: FitTable,
     /// The same over several Macs (`--hosts`), one table per host count.
     pub fit_hosts: Vec<FitTable>,
+    /// `--gpu-memory`: the longest prompt the prefill node can take.
+    pub prefill_fit: Option<PrefillFit>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -149,8 +187,7 @@ fn component_of(s: &TensorSpec, plan: &[LayerSpec]) -> &'static str {
 
 fn components(cfg: &K3Config, specs: &[TensorSpec]) -> Vec<Component> {
     let plan = cfg.text_config.layer_plan();
-    let mut out: Vec<Component> =
-        COMPONENTS.iter().map(|&name| Component { name, tensors: 0, params: 0, bytes: 0 }).collect();
+    let mut out: Vec<Component> = COMPONENTS.iter().map(|&name| Component { name, tensors: 0, params: 0, bytes: 0 }).collect();
     for s in specs {
         let k = COMPONENTS.iter().position(|&c| c == component_of(s, &plan)).expect("a listed component");
         out[k].tensors += 1;
@@ -215,6 +252,7 @@ pub fn report(cfg: &K3Config, path: &Path, ck: Option<(&Checkpoint, Vec<String>)
         },
         fit: fit_table(cfg, reserve_gib),
         fit_hosts: hosts.iter().map(|&h| fit_table_hosts(cfg, reserve_gib, h as usize)).collect(),
+        prefill_fit: None,
     }
 }
 
@@ -223,7 +261,7 @@ pub fn grouped(n: u128) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);
@@ -298,14 +336,7 @@ pub fn render(r: &Report) -> String {
     }
     let _ = writeln!(s, "\ncomponents");
     for c in &r.components {
-        let _ = writeln!(
-            s,
-            "  {:<32} {:>9} tensors  {:>12} params  {:>12}",
-            c.name,
-            grouped(c.tensors as u128),
-            params_si(c.params),
-            bytes_iec(c.bytes)
-        );
+        let _ = writeln!(s, "  {:<32} {:>9} tensors  {:>12} params  {:>12}", c.name, grouped(c.tensors as u128), params_si(c.params), bytes_iec(c.bytes));
     }
     let _ = writeln!(s, "\nderived sizes (from the config)");
     let _ = writeln!(s, "  routed expert params      {} ({})", params_si(d.routed_expert_params), grouped(d.routed_expert_params));
@@ -354,11 +385,27 @@ pub fn build(args: &Args) -> anyhow::Result<Report> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let r = build(&args)?;
+    let mut r = build(&args)?;
+    if let Some(g) = args.gpu_memory {
+        let cfg = match &args.model {
+            Some(dir) => K3Config::load(dir).with_context(|| format!("config of {}", dir.display()))?,
+            None => load_config(args.config.as_ref().context("--model or --config is required")?)?,
+        };
+        r.prefill_fit = Some(prefill_fit(&cfg, g, args.host_memory.unwrap_or(64.0))?);
+    } else if args.host_memory.is_some() {
+        anyhow::bail!("--host-memory goes with --gpu-memory");
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         print!("{}", render(&r));
+        if let Some(f) = &r.prefill_fit {
+            println!("\nprefill node: {} GB GPU, {} GB host memory (BF16, weights streamed)", f.gpu_memory_gb, f.host_memory_gb);
+            println!("longest prompt: {} tokens", f.longest_prompt);
+            if !f.plan.is_empty() {
+                println!("  at it: {}", f.plan);
+            }
+        }
     }
     Ok(())
 }
@@ -376,6 +423,8 @@ mod tests {
             json: true,
             reserve_gib: k3_protocol::fit::DEFAULT_RESERVE_GIB,
             hosts: Vec::new(),
+            gpu_memory: None,
+            host_memory: None,
         }
     }
 

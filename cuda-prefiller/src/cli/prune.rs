@@ -40,6 +40,7 @@ pub struct Args {
     /// Keep as many experts per layer as fit this checkpoint size, in GB (10^9 bytes).
     #[arg(long)]
     pub budget_gb: Option<f64>,
+    /// How the kept experts are spread over the MoE layers.
     #[arg(long, value_enum, default_value_t = Mode::Uniform)]
     pub mode: Mode,
     /// Ranking: `reap` (saliency), `frequency`, or `random` (a baseline; see --seed).
@@ -124,6 +125,9 @@ pub fn run_args(args: &Args) -> anyhow::Result<k3_protocol::prune::PruneReport> 
         stats_tokens: stats.tokens,
         kept: kept.iter().cloned().collect(),
     };
+    // The record names the source by its fingerprint: its bytes are checked against it first
+    // (every tensor, SHA-256; a forged digest cache or an edited shard is refused here).
+    ck.verify_all().context("checking the source weights against the model fingerprint")?;
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("prune {msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")

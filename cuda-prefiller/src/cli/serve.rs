@@ -21,11 +21,10 @@ use k3_protocol::transport::{NodeConfig, NodeIdentity, NodeRole, Pairing, PeerAu
 use k3_protocol::Checkpoint;
 
 use crate::backend::Backend;
-use crate::cli::synth::parse_size;
 use crate::cli::backend_args::{BackendArgs, Opened};
 use crate::cli::forward::StreamArgs;
-use crate::model::{Model, WeightPolicy};
-use crate::streamer::streamed_weights_for;
+use crate::cli::synth::parse_size;
+use crate::model::WeightPolicy;
 use crate::server::{PrefillNode, ServeOptions, StoreLimits};
 
 /// `--weights auto` keeps a checkpoint under this many bytes resident; a larger one is streamed
@@ -39,7 +38,7 @@ pub enum Weights {
     /// streamed on CUDA and per layer on the CPU.
     Auto,
     /// CUDA: each prompt's weights streamed layer by layer (next layer copied while the current
-    /// one computes; `--vram-budget` bounds the slots).
+    /// one computes; the memory plan sizes the slots within `--vram-budget`).
     Streamed,
     /// Every layer loaded once at start.
     Resident,
@@ -90,14 +89,19 @@ pub struct Args {
     /// 0: one request per pass.
     #[arg(long, default_value = "16GiB", value_parser = parse_size)]
     pub pass_memory: u64,
-    /// Executor: tokens per chunk within a layer (default: 512 on the CPU, 16384 on a GPU with
-    /// ≥ 64 GiB, 4096 on smaller GPUs).
+    /// Executor: tokens per chunk within a layer (default: each pass's memory plan's, at most
+    /// 512 on the CPU, 16384 on a GPU with ≥ 64 GiB, 4096 on smaller GPUs).
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
+    /// Where the weights live between prompts.
     #[arg(long, value_enum, default_value_t = Weights::Auto)]
     pub weights: Weights,
     #[command(flatten)]
     pub stream: StreamArgs,
+    #[command(flatten)]
+    pub memory: crate::cli::backend_args::MemoryArgs,
+    #[command(flatten)]
+    pub source: crate::cli::backend_args::SourceArgs,
     /// Serve the node's metrics (OpenMetrics text: requests, tokens, compute, streamed-weight
     /// transfer and waits) at `GET /metrics` on this TCP address, e.g. 127.0.0.1:9433.
     #[arg(long)]
@@ -181,12 +185,36 @@ fn serve_with<B: Backend + 'static>(backend: Arc<B>, ck: Arc<Checkpoint>, args: 
     };
     let t0 = std::time::Instant::now();
     let name = backend.name().to_string();
-    let model = Model::new(backend, ck, policy).context("loading the model")?;
+    let weights = if stream {
+        crate::prefiller::WeightMode::Streamed(args.stream.options()?)
+    } else if policy == WeightPolicy::Resident {
+        crate::prefiller::WeightMode::Resident
+    } else {
+        crate::prefiller::WeightMode::PerLayer
+    };
+    // the node's slots are planned for the longest prompt it can take (at most
+    // --max-request-tokens); each pass is then planned within them
+    let pf = crate::prefiller::Prefiller::open(
+        backend,
+        ck,
+        &crate::prefiller::PrefillerOptions {
+            weights,
+            memory: args.memory.options(),
+            chunk_tokens: args.chunk_tokens.map(|c| c.max(1)),
+            logits: crate::memory_plan::LogitsKept::Last,
+            design: Vec::new(),
+            design_cap: args.max_request_tokens,
+            emulate_source_gbs: args.source.emulate_source_gbs,
+        },
+    )
+    .context("loading the model")?;
+    eprintln!("{}", pf.design_plan.line());
     let mut opts = args.options();
-    opts.chunk_tokens = args.chunk_tokens.unwrap_or_else(|| model.backend.default_chunk_tokens()).max(1);
-    if stream {
-        opts.streamed = Some(Arc::new(streamed_weights_for(&model, &args.stream.options()?)?));
-    }
+    opts.chunk_tokens = args.chunk_tokens.unwrap_or_else(|| pf.model.backend.default_chunk_tokens()).max(1);
+    opts.streamed = pf.streamed.clone();
+    opts.planner = Some(pf.planner.clone());
+    opts.source = pf.source.clone();
+    let model = pf.model.clone();
     let pairing = pairing(args)?;
     if !pairing.explicit.is_empty() && !pairing.insecure_dev {
         opts.on_verified = Some(crate::server::OnVerified(Arc::new(move |cert| match pairing.save_verified(cert) {
@@ -239,12 +267,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let parse = |metrics: &str| {
             parse_args::<Args>(&[
-                "serve", "--model", "m", "--listen", "127.0.0.1:0", "--insecure-dev", "--metrics-listen", metrics,
-                "--config-dir", dir.path().to_str().unwrap(),
+                "serve",
+                "--model",
+                "m",
+                "--listen",
+                "127.0.0.1:0",
+                "--insecure-dev",
+                "--metrics-listen",
+                metrics,
+                "--config-dir",
+                dir.path().to_str().unwrap(),
             ])
             .unwrap()
         };
-        let e = peer_auth(&parse("0.0.0.0:9100")).err().expect("refused").to_string();
+        let e = peer_auth(&parse("0.0.0.0:9100")).expect_err("refused").to_string();
         assert!(e.contains("--metrics-listen 0.0.0.0:9100") && e.contains("loopback"), "{e}");
         assert!(matches!(peer_auth(&parse("127.0.0.1:9100")).unwrap().1, PeerAuth::InsecureDev));
     }
@@ -262,7 +298,15 @@ mod tests {
         let file = || std::fs::read_to_string(dir.path().join("pinned-peers.txt")).unwrap();
         let before = file();
         let args = |pins: &[CertFingerprint]| {
-            let mut v = vec!["serve".to_string(), "--model".into(), "m".into(), "--listen".into(), "0.0.0.0:7433".into(), "--config-dir".into(), dir.path().to_str().unwrap().into()];
+            let mut v = vec![
+                "serve".to_string(),
+                "--model".into(),
+                "m".into(),
+                "--listen".into(),
+                "0.0.0.0:7433".into(),
+                "--config-dir".into(),
+                dir.path().to_str().unwrap().into(),
+            ];
             for p in pins {
                 v.extend(["--decoder-fingerprint".to_string(), p.to_string()]);
             }

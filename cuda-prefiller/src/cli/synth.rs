@@ -42,25 +42,34 @@ pub struct Args {
     /// 1-based MLA layers, comma-separated (all others are KDA).
     #[arg(long, value_delimiter = ',')]
     pub full_attn_layers: Option<Vec<usize>>,
+    /// Model (residual stream) width, hidden_size.
     #[arg(long)]
     pub hidden: Option<usize>,
     /// KDA and MLA head count.
     #[arg(long)]
     pub heads: Option<usize>,
+    /// KDA head count (overrides --heads for the KDA layers).
     #[arg(long)]
     pub kda_heads: Option<usize>,
+    /// KDA head width (key and value).
     #[arg(long)]
     pub kda_head_dim: Option<usize>,
+    /// MLA head count (overrides --heads for the MLA layers).
     #[arg(long)]
     pub mla_heads: Option<usize>,
+    /// MLA query low-rank width, q_lora_rank.
     #[arg(long)]
     pub q_lora_rank: Option<usize>,
+    /// MLA key/value latent width, kv_lora_rank (the latent rows the hand-off ships).
     #[arg(long)]
     pub kv_lora_rank: Option<usize>,
+    /// MLA query/key width per head without position, qk_nope_head_dim.
     #[arg(long)]
     pub qk_nope_head_dim: Option<usize>,
+    /// MLA query/key width per head with rotary position, qk_rope_head_dim.
     #[arg(long)]
     pub qk_rope_head_dim: Option<usize>,
+    /// MLA value width per head, v_head_dim.
     #[arg(long)]
     pub v_head_dim: Option<usize>,
     /// KDA short-conv kernel size.
@@ -72,10 +81,13 @@ pub struct Args {
     /// Number of leading dense-FFN layers.
     #[arg(long)]
     pub first_k_dense: Option<usize>,
+    /// Routed experts per MoE layer, n_routed_experts.
     #[arg(long)]
     pub experts: Option<usize>,
+    /// Routed experts each token uses, num_experts_per_tok (top-k).
     #[arg(long)]
     pub experts_per_token: Option<usize>,
+    /// Shared experts per MoE layer (every token uses them).
     #[arg(long)]
     pub shared_experts: Option<usize>,
     /// Routed expert intermediate width (multiple of 32).
@@ -90,14 +102,19 @@ pub struct Args {
     /// Vocabulary size (specials at the top: 256 slots from 2048 up, else 24).
     #[arg(long)]
     pub vocab: Option<usize>,
+    /// MoonViT-V2 vision tower: number of blocks.
     #[arg(long)]
     pub vision_layers: Option<usize>,
+    /// Vision tower width.
     #[arg(long)]
     pub vision_hidden: Option<usize>,
+    /// Vision tower attention heads.
     #[arg(long)]
     pub vision_heads: Option<usize>,
+    /// Vision tower query/key/value width.
     #[arg(long)]
     pub vision_qkv: Option<usize>,
+    /// Vision tower MLP width.
     #[arg(long)]
     pub vision_intermediate: Option<usize>,
     /// Side of the learned vision position table.
@@ -135,7 +152,7 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
         u => return Err(SizeError::Unit { unit: u.to_string(), text: s.to_string() }),
     };
     let v = n * mult;
-    if !(v >= 1.0 && v < 1.8e19) {
+    if !(1.0..1.8e19).contains(&v) {
         return Err(SizeError::Range(s.to_string()));
     }
     Ok(v as u64)
@@ -209,8 +226,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let out = args.out.as_deref().context("--out is required")?;
-    let rep = synth::write_checkpoint(out, &cfg, &opts.write_options())
-        .with_context(|| format!("writing the synthetic model to {}", out.display()))?;
+    let rep = synth::write_checkpoint(out, &cfg, &opts.write_options()).with_context(|| format!("writing the synthetic model to {}", out.display()))?;
     if opts.weights {
         let ck = Checkpoint::open(out).context("re-opening the written checkpoint")?;
         let mbps = rep.bytes as f64 / 1e6 / rep.seconds.max(1e-9);
@@ -266,8 +282,25 @@ mod tests {
     #[test]
     fn flags_reach_the_options() {
         let args = parse_args::<Args>(&[
-            "synth", "--preset", "small", "--seed", "9", "--out", "/tmp/x", "--layers", "6", "--experts", "4",
-            "--hidden", "256", "--vocab", "4096", "--full-attn-layers", "3,6", "--max-shard-size", "64MiB",
+            "synth",
+            "--preset",
+            "small",
+            "--seed",
+            "9",
+            "--out",
+            "/tmp/x",
+            "--layers",
+            "6",
+            "--experts",
+            "4",
+            "--hidden",
+            "256",
+            "--vocab",
+            "4096",
+            "--full-attn-layers",
+            "3,6",
+            "--max-shard-size",
+            "64MiB",
         ])
         .unwrap();
         let o = args.options();

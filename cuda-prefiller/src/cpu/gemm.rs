@@ -71,16 +71,7 @@ const OB: usize = 64;
 
 /// Rows of `x` against output features `o0..o1`, written to `out` (`[rows, o1-o0]`).
 #[inline(always)]
-fn block_body(
-    x: &[f32],
-    rows: usize,
-    k: usize,
-    w: &[f32],
-    o0: usize,
-    o1: usize,
-    out: &mut [f32],
-    kern: impl Fn([&[f32]; 4], &[f32], &[f32]) -> [[f32; 2]; 4],
-) {
+fn block_body(x: &[f32], rows: usize, k: usize, w: &[f32], o0: usize, o1: usize, out: &mut [f32], kern: impl Fn([&[f32]; 4], &[f32], &[f32]) -> [[f32; 2]; 4]) {
     let nb = o1 - o0;
     let row = |r: usize| &x[r * k..(r + 1) * k];
     let wr = |o: usize| &w[o * k..(o + 1) * k];

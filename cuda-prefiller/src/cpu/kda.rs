@@ -38,7 +38,6 @@ struct HeadInputs {
     beta: Vec<f64>,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn head_inputs(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: usize, d: usize, h: usize) -> HeadInputs {
     let w = heads * d;
     let rows = beta.len() / heads;
@@ -52,7 +51,6 @@ fn head_inputs(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: 
     HeadInputs { q: take(q), k: take(k), v: take(v), g: take(g), beta: (0..rows).map(|t| beta[t * heads + h] as f64).collect() }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn check(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &[f32], heads: usize, d: usize) -> usize {
     let rows = beta.len() / heads.max(1);
     assert_eq!(beta.len(), rows * heads, "kda: beta is not [rows, heads]");
@@ -82,7 +80,6 @@ fn scatter(out: &mut [f32], state: &mut [f32], results: Vec<(Vec<f64>, Vec<f64>)
 /// The delta-rule recurrence token by token (spec §3.3 step 7), per head:
 /// `S' = diag(exp(g_t)) S`, `S = S' + β_t k_t ⊗ (v_t − S'ᵀ k_t)`, `o_t = Sᵀ q_t`.
 /// `state` is read as the initial state and overwritten with the final one. Returns `o`.
-#[allow(clippy::too_many_arguments)]
 pub fn kda_recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize) -> Vec<f32> {
     per_head(q, k, v, g, beta, state, heads, d, |x, rows, s, o| {
         let mut kv = vec![0.0f64; d];
@@ -112,8 +109,10 @@ pub fn kda_recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], s
 }
 
 /// The chunked (parallel) form of the same recurrence (spec §3.4), chunk length `chunk`;
-/// the last chunk may be partial. Equal to [`kda_recurrent`] up to rounding.
-#[allow(clippy::too_many_arguments)]
+/// the last chunk may be partial. Equal to [`kda_recurrent`] up to rounding. The state is
+/// carried between chunks in f32 (f64 inside a chunk), as it is between calls, so a prompt split
+/// into calls at multiples of `chunk` (the executor's token chunks under a memory plan) gives
+/// bit-identical results to one call.
 pub fn kda_chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize, chunk: usize) -> Vec<f32> {
     let chunk = chunk.max(1);
     per_head(q, k, v, g, beta, state, heads, d, |x, rows, s, o| {
@@ -121,6 +120,7 @@ pub fn kda_chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], sta
         while c0 < rows {
             let n = chunk.min(rows - c0);
             chunk_step(x, c0, n, d, s, &mut o[c0 * d..(c0 + n) * d]);
+            s.iter_mut().for_each(|v| *v = *v as f32 as f64);
             c0 += n;
         }
     })
@@ -128,7 +128,6 @@ pub fn kda_chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], sta
 
 /// Runs `head(inputs, rows, state, out)` for every head in parallel, in f64, from the initial
 /// `state`, and writes the outputs `[rows, H·D]` and the final states back.
-#[allow(clippy::too_many_arguments)]
 fn per_head<F>(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], state: &mut [f32], heads: usize, d: usize, head: F) -> Vec<f32>
 where
     F: Fn(&HeadInputs, usize, &mut [f64], &mut [f64]) + Sync,

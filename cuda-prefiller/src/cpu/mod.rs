@@ -12,9 +12,7 @@ pub mod norm;
 
 use anyhow::{bail, ensure};
 
-use crate::backend::{
-    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas,
-};
+use crate::backend::{Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas};
 
 /// A row-major f32 matrix in host memory: the CPU backend's buffers and weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,19 +43,35 @@ pub struct CpuExperts {
     pub experts: Vec<moe::DenseExpert>,
 }
 
-/// The CPU reference backend (stateless; threads come from rayon's global pool).
-#[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
+/// The CPU reference backend (no state but its arithmetic; threads come from rayon's global
+/// pool). `CpuBackend` (the value) is the f32 reference; [`CpuBackend::mx`] emulates K3's MX
+/// precision (`--precision mx`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CpuBackend {
+    /// MXFP8 quantise–dequantise of the routed experts' inputs and SiTU outputs (their weights
+    /// are MXFP4 already): MXFP4 × MXFP8 expert GEMMs, everything else f32.
+    mx: bool,
+}
+
+/// The f32 reference backend as a value, under the type's own name: the many callers that
+/// want the reference write `CpuBackend`, as when the type was a unit struct.
+#[allow(non_upper_case_globals)]
+pub const CpuBackend: CpuBackend = CpuBackend { mx: false };
+
+impl CpuBackend {
+    /// The MX emulation: the oracle of the FP8 kernels, and `forward --backend cpu --precision mx`.
+    pub const fn mx() -> CpuBackend {
+        CpuBackend { mx: true }
+    }
+
+    /// Whether this backend emulates MX.
+    pub fn is_mx(&self) -> bool {
+        self.mx
+    }
+}
 
 fn same_shape(op: &str, a: &CpuTensor, b: &CpuTensor) -> OpResult<()> {
-    ensure!(
-        a.rows == b.rows && a.cols == b.cols,
-        "{op}: shapes differ: [{}, {}] vs [{}, {}]",
-        a.rows,
-        a.cols,
-        b.rows,
-        b.cols
-    );
+    ensure!(a.rows == b.rows && a.cols == b.cols, "{op}: shapes differ: [{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols);
     Ok(())
 }
 
@@ -129,13 +143,7 @@ impl Backend for CpuBackend {
                 x.w2.out_features,
                 x.w2.in_features
             );
-            out.push(moe::DenseExpert {
-                inter,
-                latent,
-                w1: moe::dequant_mxfp4(&x.w1),
-                w3: moe::dequant_mxfp4(&x.w3),
-                w2: moe::dequant_mxfp4(&x.w2),
-            });
+            out.push(moe::DenseExpert { inter, latent, w1: moe::dequant_mxfp4(&x.w1), w3: moe::dequant_mxfp4(&x.w3), w2: moe::dequant_mxfp4(&x.w2) });
         }
         Ok(CpuExperts { experts: out })
     }
@@ -172,11 +180,7 @@ impl Backend for CpuBackend {
         vec_len("attn_res_mix", "norm weight", norm_w, p.cols)?;
         vec_len("attn_res_mix", "proj weight", proj_w, p.cols)?;
         let banks: Vec<&[f32]> = bank.iter().map(|b| &b.data[..]).collect();
-        Ok(CpuTensor {
-            rows: p.rows,
-            cols: p.cols,
-            data: attn_res::attn_res_mix(&banks, &p.data, p.cols, &norm_w.data, &proj_w.data, eps),
-        })
+        Ok(CpuTensor { rows: p.rows, cols: p.cols, data: attn_res::attn_res_mix(&banks, &p.data, p.cols, &norm_w.data, &proj_w.data, eps) })
     }
 
     fn short_conv_silu(&self, x: &CpuTensor, w: &CpuTensor, window: &mut CpuTensor) -> OpResult<CpuTensor> {
@@ -195,7 +199,7 @@ impl Backend for CpuBackend {
     }
 
     fn l2_norm_heads(&self, x: &mut CpuTensor, head_dim: usize, eps: f32, scale: f32) -> OpResult<()> {
-        ensure!(head_dim > 0 && x.cols % head_dim == 0, "l2_norm_heads: {} columns are not whole heads of {head_dim}", x.cols);
+        ensure!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "l2_norm_heads: {} columns are not whole heads of {head_dim}", x.cols);
         norm::l2_norm_heads(&mut x.data, head_dim, eps, scale);
         Ok(())
     }
@@ -204,11 +208,7 @@ impl Backend for CpuBackend {
         ensure!(z.cols == dims.width(), "kda_gate: z has {} columns, expected {}", z.cols, dims.width());
         vec_len("kda_gate", "A_log (one per head)", a_log, dims.heads)?;
         vec_len("kda_gate", "dt_bias", dt_bias, dims.width())?;
-        Ok(CpuTensor {
-            rows: z.rows,
-            cols: z.cols,
-            data: kda::kda_gate(&z.data, &a_log.data, &dt_bias.data, dims.heads, dims.head_dim, lower_bound),
-        })
+        Ok(CpuTensor { rows: z.rows, cols: z.cols, data: kda::kda_gate(&z.data, &a_log.data, &dt_bias.data, dims.heads, dims.head_dim, lower_bound) })
     }
 
     fn kda_chunked(&self, x: &KdaInputs<'_, CpuTensor>, state: &mut CpuTensor, dims: KdaDims, chunk: usize) -> OpResult<CpuTensor> {
@@ -228,7 +228,7 @@ impl Backend for CpuBackend {
 
     fn gated_rms_norm(&self, o: &CpuTensor, gate: &CpuTensor, w: &CpuTensor, head_dim: usize, eps: f32) -> OpResult<CpuTensor> {
         same_shape("gated_rms_norm", o, gate)?;
-        ensure!(head_dim > 0 && o.cols % head_dim == 0, "gated_rms_norm: {} columns are not whole heads of {head_dim}", o.cols);
+        ensure!(head_dim > 0 && o.cols.is_multiple_of(head_dim), "gated_rms_norm: {} columns are not whole heads of {head_dim}", o.cols);
         vec_len("gated_rms_norm", "weight", w, head_dim)?;
         Ok(CpuTensor { rows: o.rows, cols: o.cols, data: norm::gated_rms_norm(&o.data, &gate.data, &w.data, head_dim, eps) })
     }
@@ -242,12 +242,7 @@ impl Backend for CpuBackend {
     fn mla_attention(&self, q: &CpuTensor, cache: &CpuTensor, kv_b: &CpuTensor, dims: MlaDims, pos0: usize, form: MlaForm) -> OpResult<CpuTensor> {
         ensure!(q.cols == dims.heads * dims.qk(), "mla_attention: q has {} columns, expected {}", q.cols, dims.heads * dims.qk());
         ensure!(cache.cols == dims.latent(), "mla_attention: cache has {} columns, expected {}", cache.cols, dims.latent());
-        ensure!(
-            cache.rows >= pos0 + q.rows,
-            "mla_attention: cache holds {} rows, queries reach position {}",
-            cache.rows,
-            pos0 + q.rows
-        );
+        ensure!(cache.rows >= pos0 + q.rows, "mla_attention: cache holds {} rows, queries reach position {}", cache.rows, pos0 + q.rows);
         ensure!(
             kv_b.rows == dims.heads * (dims.nope + dims.v) && kv_b.cols == dims.kv_lora,
             "mla_attention: kv_b [{}, {}], expected [{}, {}]",
@@ -275,10 +270,7 @@ impl Backend for CpuBackend {
 
     fn moe_experts(&self, x_lat: &CpuTensor, routing: &Routing, experts: &CpuExperts, betas: SituBetas) -> OpResult<CpuTensor> {
         ensure!(routing.rows() == x_lat.rows, "moe_experts: routing for {} rows, x_lat has {}", routing.rows(), x_lat.rows);
-        ensure!(
-            routing.ids.len() == routing.rows() * routing.top_k && routing.weights.len() == routing.ids.len(),
-            "moe_experts: malformed routing"
-        );
+        ensure!(routing.ids.len() == routing.rows() * routing.top_k && routing.weights.len() == routing.ids.len(), "moe_experts: malformed routing");
         if let Some(e) = routing.ids.iter().find(|&&e| e as usize >= experts.experts.len()) {
             bail!("moe_experts: expert id {e} but the layer has {} experts", experts.experts.len());
         }
@@ -288,7 +280,7 @@ impl Backend for CpuBackend {
         Ok(CpuTensor {
             rows: x_lat.rows,
             cols: x_lat.cols,
-            data: moe::moe_experts(&x_lat.data, routing, &experts.experts, betas.beta, betas.linear_beta),
+            data: moe::moe_experts(&x_lat.data, routing, &experts.experts, betas.beta, betas.linear_beta, self.mx),
         })
     }
 }

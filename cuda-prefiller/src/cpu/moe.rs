@@ -5,8 +5,8 @@ use rayon::prelude::*;
 
 use k3_protocol::mxfp4::{e2m1, e8m0, Mxfp4Weight, GROUP};
 
-use crate::act::{sigmoid, situ};
 use super::gemm::gemm;
+use crate::act::{sigmoid, situ};
 use crate::backend::Routing;
 
 /// Dequantises an MXFP4 weight to row-major f32 `[out, in]`, bit-identical to
@@ -77,8 +77,9 @@ pub struct DenseExpert {
 
 /// `Σ_j weights[t,j] · W2_e SiTU(W1_e x_t, W3_e x_t)` for every row of `x_lat [rows, latent]`;
 /// rows are grouped by expert (one GEMM per expert) and the weighted sum is accumulated per row
-/// in the routing's slot order (deterministic).
-pub fn moe_experts(x_lat: &[f32], routing: &Routing, experts: &[DenseExpert], beta: f32, linear_beta: Option<f32>) -> Vec<f32> {
+/// in the routing's slot order (deterministic). `mx`: the experts' inputs pass MXFP8 first
+/// (`crate::mx`; the weights are MXFP4 already), the SiTU outputs do not.
+pub fn moe_experts(x_lat: &[f32], routing: &Routing, experts: &[DenseExpert], beta: f32, linear_beta: Option<f32>, mx: bool) -> Vec<f32> {
     let rows = routing.rows();
     let k = routing.top_k;
     let Some(first) = experts.first() else { return vec![0.0; x_lat.len()] };
@@ -104,8 +105,13 @@ pub fn moe_experts(x_lat: &[f32], routing: &Routing, experts: &[DenseExpert], be
             for &(t, _) in slots {
                 xs.extend_from_slice(&x_lat[t * lat..(t + 1) * lat]);
             }
+            if mx {
+                crate::mx::mxfp8_rows(&mut xs, lat);
+            }
             let g = gemm(&xs, slots.len(), lat, &ex.w1, inter);
             let u = gemm(&xs, slots.len(), lat, &ex.w3, inter);
+            // The SiTU output enters the down projection unquantised (BF16 on the GPU): MXFP8
+            // there too cost tiny-t 0.8 points of top-1 agreement (docs/mx.md).
             let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| situ(g, u, beta, linear_beta)).collect();
             (e, gemm(&a, slots.len(), inter, &ex.w2, lat))
         })

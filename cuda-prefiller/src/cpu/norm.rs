@@ -41,14 +41,12 @@ pub fn gated_rms_norm(o: &[f32], gate: &[f32], w: &[f32], head_dim: usize, eps: 
     assert_eq!(o.len(), gate.len(), "gated_rms_norm: o and gate differ in size");
     assert_eq!(w.len(), head_dim, "gated_rms_norm: weight width");
     let mut out = vec![0.0f32; o.len()];
-    out.par_chunks_mut(head_dim.max(1))
-        .zip(o.par_chunks(head_dim.max(1)).zip(gate.par_chunks(head_dim.max(1))))
-        .for_each(|(y, (oh, gh))| {
-            let s = inv_rms(oh, eps);
-            for d in 0..head_dim {
-                y[d] = oh[d] * s * w[d] * sigmoid(gh[d]);
-            }
-        });
+    out.par_chunks_mut(head_dim.max(1)).zip(o.par_chunks(head_dim.max(1)).zip(gate.par_chunks(head_dim.max(1)))).for_each(|(y, (oh, gh))| {
+        let s = inv_rms(oh, eps);
+        for d in 0..head_dim {
+            y[d] = oh[d] * s * w[d] * sigmoid(gh[d]);
+        }
+    });
     out
 }
 

@@ -18,14 +18,12 @@ use cudarc::driver::sys::CUdeviceptr;
 use k3_protocol::tensors::DType;
 
 use super::blas::{Blas, GemmType};
-use super::gpu::{DevMem, Gpu};
+use super::gpu::{DevMem, Gpu, HostCopy};
 use super::kernels as k;
 use super::moe_dense::{self, MoeDenseCfg, MoePath};
 use super::moe_plan::MoePlan;
 use super::profile;
-use crate::backend::{
-    Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas,
-};
+use crate::backend::{Backend, DeviceBuf, ExpertHostWeights, HostTensor, KdaDims, KdaInputs, MlaDims, MlaForm, OpResult, Routing, SituBetas};
 use crate::expert_layout::ExpertLayout;
 
 /// In BF16 mode, f32-weight GEMMs (the router) of at least this many rows run as six BF16
@@ -37,6 +35,9 @@ pub const SPLIT_GEMM_MIN_ROWS: usize = 1024;
 pub enum Precision {
     F32,
     Bf16,
+    /// K3's MX precision (MXFP4 expert weights × MXFP8 activations; `crate::mx`): emulated by
+    /// the CPU backend; the FP8 kernels are not built yet.
+    Mx,
 }
 
 impl std::str::FromStr for Precision {
@@ -45,12 +46,30 @@ impl std::str::FromStr for Precision {
         match s {
             "f32" | "fp32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16),
-            _ => bail!("unknown precision {s:?} (f32 or bf16)"),
+            "mx" => Ok(Precision::Mx),
+            _ => bail!("unknown precision {s:?} (f32, bf16 or mx)"),
         }
     }
 }
 
 /// An f32 activation matrix on the GPU.
+/// [`Backend::download_later`] on CUDA: the copy on the download stream and its source, kept
+/// allocated until the copy is taken.
+struct CudaDownload {
+    copy: crate::cuda::gpu::Download,
+    _src: CudaBuf,
+}
+
+impl crate::backend::PendingDownload for CudaDownload {
+    fn wait(self: Box<Self>) -> OpResult<Vec<f32>> {
+        let CudaDownload { copy, _src } = *self;
+        let mut v = vec![0f32; copy.len() / 4];
+        copy.finish_into(bytemuck::cast_slice_mut(&mut v))?;
+        drop(_src);
+        Ok(v)
+    }
+}
+
 pub struct CudaBuf {
     pub mem: DevMem,
     rows: usize,
@@ -98,9 +117,9 @@ pub struct CudaExperts {
     pub layout: ExpertLayout,
 }
 
-/// Which parts of the computation run in BF16 ([`Precision::Bf16`] turns all on; the
-/// environment variable `K3_BF16_PARTS=gemm,round,experts,attn` picks a subset, a diagnostic
-/// for locating where BF16 rounding enters).
+/// Which parts of the computation run in BF16 ([`Precision::Bf16`] turns all on; the flag
+/// `--bf16-parts gemm,round,experts,attn` picks a subset, a diagnostic for locating where BF16
+/// rounding enters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bf16Parts {
     /// Dense GEMMs with BF16 weights and BF16 activations.
@@ -135,6 +154,85 @@ impl Bf16Parts {
     }
 }
 
+impl std::str::FromStr for Bf16Parts {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Bf16Parts::parse(s)
+    }
+}
+
+impl std::fmt::Display for Bf16Parts {
+    /// In the form [`Bf16Parts::parse`] reads (`all`, `none`, or the parts that are on).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Bf16Parts::ALL {
+            return f.write_str("all");
+        }
+        let on: Vec<&str> =
+            [(self.gemm, "gemm"), (self.round, "round"), (self.experts, "experts"), (self.attn, "attn")].iter().filter(|x| x.0).map(|x| x.1).collect();
+        f.write_str(if on.is_empty() { "none".to_string() } else { on.join(",") }.as_str())
+    }
+}
+
+/// The BF16 routed-expert GEMM kernel (`kernels/moe_mma.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeKernel {
+    /// Operand fragments by `ldmatrix` (the default).
+    #[default]
+    Ldmatrix,
+    /// The first version: 32-bit shared-memory loads (diagnostic, for comparison).
+    Lds32,
+}
+
+impl MoeKernel {
+    /// The kernel-name suffix of the variant ([`CudaBackend::moe_variant`]).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            MoeKernel::Ldmatrix => "",
+            MoeKernel::Lds32 => "_lds32",
+        }
+    }
+}
+
+impl std::str::FromStr for MoeKernel {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "ldmatrix" => Ok(MoeKernel::Ldmatrix),
+            "lds32" => Ok(MoeKernel::Lds32),
+            _ => bail!("unknown expert kernel {s:?} (ldmatrix or lds32)"),
+        }
+    }
+}
+
+impl std::fmt::Display for MoeKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MoeKernel::Ldmatrix => "ldmatrix",
+            MoeKernel::Lds32 => "lds32",
+        })
+    }
+}
+
+/// The CUDA backend's switches, chosen once per process (`k3-prefill`'s flags of the commands
+/// that run the model, `cli/backend_args.rs`) and handed to [`CudaBackend::new`]. The defaults
+/// are the serving configuration; every other value is a diagnostic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaOptions {
+    /// The parts of [`Precision::Bf16`] that run in BF16 (`--bf16-parts`); `None`: all of them
+    /// (and none in the other precisions).
+    pub bf16_parts: Option<Bf16Parts>,
+    /// The BF16 routed-expert kernel (`--moe-kernel`).
+    pub moe_kernel: MoeKernel,
+    /// Sizes of the dense expert path (`--moe-dense`).
+    pub moe_dense: MoeDenseCfg,
+    /// The BF16 MLA attention kernel (`--mla-kernel`).
+    pub mla_kernel: k::MlaKernel,
+    /// How the compute stream's host <-> device copies run (`--host-copy`).
+    pub host_copy: HostCopy,
+    /// GPU time per step and host time blocked on the GPU are recorded (`--profile`).
+    pub profile: bool,
+}
+
 /// The CUDA implementation of the ops.
 pub struct CudaBackend {
     pub gpu: Arc<Gpu>,
@@ -142,42 +240,61 @@ pub struct CudaBackend {
     pub precision: Precision,
     pub parts: Bf16Parts,
     /// Kernel-name suffix of the BF16 expert GEMMs: `""` (ldmatrix fragments, default) or
-    /// `"_lds32"` (the first version, 32-bit shared loads); `K3_MOE_KERNEL=lds32` selects it.
+    /// `"_lds32"` (the first version, 32-bit shared loads): [`MoeKernel::suffix`] of `--moe-kernel`.
     pub moe_variant: &'static str,
     /// BF16 expert path: [`MoePath::Auto`] picks per layer and prompt by the routed rows per
     /// expert; tests and `bench --kernels` force one to compare them.
     pub moe_path: MoePath,
-    /// Sizes of the dense expert path (`K3_MOE_DENSE=streams=4,group_mib=1024,...`).
+    /// Sizes of the dense expert path (`--moe-dense streams=4,group_mib=1024,...`).
     pub moe_dense: MoeDenseCfg,
     moe_workers: Mutex<Option<Arc<moe_dense::Workers>>>,
-    /// BF16 MLA attention kernel (`Auto`: wgmma on sm_90, mma.sync elsewhere; `K3_MLA_KERNEL`).
+    /// BF16 MLA attention kernel (`Auto`: wgmma on sm_90, mma.sync elsewhere; `--mla-kernel`).
     pub mla_kernel: k::MlaKernel,
+    /// Keys expanded (f32) and packed per block by the BF16 MLA attention
+    /// ([`crate::memory_plan::MLA_KEY_BLOCK`], which the plan sizes; tests set a small one to
+    /// cross block edges).
+    pub mla_key_block: usize,
 }
 
 impl CudaBackend {
-    /// Opens GPU 0; errors (never panics) when no usable GPU, driver, NVRTC or cuBLAS exists.
-    pub fn new(precision: Precision) -> Result<Self> {
-        let parts = match precision {
-            Precision::F32 => Bf16Parts::NONE,
-            Precision::Bf16 => match std::env::var("K3_BF16_PARTS") {
-                Ok(s) => Bf16Parts::parse(&s)?,
-                Err(_) => Bf16Parts::ALL,
-            },
+    /// Opens GPU 0 with `opts` (logged once, one line); errors (never panics) when no usable
+    /// GPU, driver, NVRTC or cuBLAS exists, or when `opts` does not apply to `precision`.
+    pub fn new(precision: Precision, opts: &CudaOptions) -> Result<Self> {
+        if precision == Precision::Mx {
+            bail!(
+                "--precision mx: the FP8 (MXFP8 x MXFP4) kernels are not built yet; the CPU backend emulates MX \
+                 (--backend cpu --precision mx)"
+            );
+        }
+        let parts = match (precision, opts.bf16_parts) {
+            (Precision::Bf16, p) => p.unwrap_or(Bf16Parts::ALL),
+            (_, None) => Bf16Parts::NONE,
+            (_, Some(p)) => bail!("--bf16-parts {p}: the BF16 parts apply to --precision bf16 only (this backend runs {precision:?})"),
         };
-        Self::with_parts(precision, parts)
-    }
-
-    /// A backend with an explicit choice of BF16 parts.
-    pub fn with_parts(precision: Precision, parts: Bf16Parts) -> Result<Self> {
-        let gpu = Gpu::open()?;
+        let gpu = Gpu::open(opts.host_copy, opts.profile)?;
         let blas = Blas::new(gpu.stream())?;
-        let moe_variant = if std::env::var("K3_MOE_KERNEL").as_deref() == Ok("lds32") { "_lds32" } else { "" };
-        let moe_path = MoePath::Auto;
-        let moe_dense = match std::env::var("K3_MOE_DENSE") {
-            Ok(s) => MoeDenseCfg::parse(&s, MoeDenseCfg::default())?,
-            Err(_) => MoeDenseCfg::default(),
-        };
-        Ok(CudaBackend { gpu, blas, precision, parts, moe_variant, moe_path, moe_dense, moe_workers: Mutex::new(None), mla_kernel: k::MlaKernel::from_env()? })
+        tracing::info!(
+            ?precision,
+            bf16_parts = %parts,
+            moe_kernel = %opts.moe_kernel,
+            moe_dense = %opts.moe_dense,
+            mla_kernel = %opts.mla_kernel,
+            host_copy = %opts.host_copy,
+            profile = opts.profile,
+            "CUDA backend options"
+        );
+        Ok(CudaBackend {
+            gpu,
+            blas,
+            precision,
+            parts,
+            moe_variant: opts.moe_kernel.suffix(),
+            moe_path: MoePath::Auto,
+            moe_dense: opts.moe_dense,
+            moe_workers: Mutex::new(None),
+            mla_kernel: opts.mla_kernel,
+            mla_key_block: crate::memory_plan::MLA_KEY_BLOCK,
+        })
     }
 
     /// BF16 experts (mma kernel, bf16 grouped activations).
@@ -198,7 +315,6 @@ impl CudaBackend {
 
     /// `y[rows, n] = x[rows, k] · Wᵀ` on raw pointers (x row stride `ldx`), choosing the GEMM
     /// precision from what the weight holds.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_raw(&self, x: CUdeviceptr, ldx: usize, rows: usize, w: &CudaWeight, y: CUdeviceptr, ldy: usize) -> Result<()> {
         if let Some(wb) = &w.bf16 {
             let xb = self.gpu.alloc(rows * w.cols * 2)?;
@@ -235,7 +351,6 @@ impl CudaBackend {
     }
 
     /// Dense bf16 GEMM on raw pointers (benchmarks): `y = x_bf16 · W_bf16ᵀ`.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_bf16_raw(&self, xb: CUdeviceptr, w: CUdeviceptr, y: CUdeviceptr, rows: usize, n: usize, kk: usize) -> Result<()> {
         self.blas.gemm(GemmType::Bf16, xb, kk, w, y, n, rows, n, kk)
     }
@@ -243,8 +358,16 @@ impl CudaBackend {
     /// Groups `t*k` routed selections (`ids` i32 on the device) by expert. `host_offsets`: the
     /// grouped row offsets when the caller knows the routing on the host (else the dense path
     /// reads them back).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_plan(&self, ids: CUdeviceptr, weights: DevMem, t: usize, top_k: usize, e: usize, layout: &ExpertLayout, host_offsets: Option<Vec<i32>>) -> Result<MoePlan> {
+    pub fn moe_plan(
+        &self,
+        ids: CUdeviceptr,
+        weights: DevMem,
+        t: usize,
+        top_k: usize,
+        e: usize,
+        layout: &ExpertLayout,
+        host_offsets: Option<Vec<i32>>,
+    ) -> Result<MoePlan> {
         let g = &self.gpu;
         let n = t * top_k;
         let bm = if self.bf16() { k::BF16_BM } else { k::F32_BM };
@@ -262,7 +385,8 @@ impl CudaBackend {
         k::moe_offsets(g, counts.ptr, e, bm, offsets.ptr, cursor.ptr, tile_expert.ptr, tile_row0.ptr, tile_count.ptr)?;
         k::moe_scatter(g, ids, n, top_k, offsets.ptr, cursor.ptr, slot_pos.ptr, row_token.ptr)?;
         let esz = if self.bf16() { 2 } else { 4 };
-        let xg = g.alloc(n * layout.latent * esz)?;
+        // spare rows past the last: the dense path's GEMMs may run over rounded-up row counts
+        let xg = g.alloc((n + moe_dense::MAX_ROW_GRAIN) * layout.latent * esz)?;
         let dense = self.bf16()
             && match self.moe_path {
                 MoePath::Mma => false,
@@ -272,7 +396,26 @@ impl CudaBackend {
         // the dense path keeps the SiTU output per worker slice, not for every routed row
         let hg = g.alloc(if dense { 256 } else { n * layout.inter * esz })?;
         let yg = g.alloc(n * layout.latent * 4)?;
-        let mut plan = MoePlan { t, k: top_k, e, bm, max_tiles, offsets, tile_expert, tile_row0, tile_count, slot_pos, row_token, xg, hg, hg_row_bytes: layout.inter * esz, yg, weights, dense: false, host_offsets };
+        let mut plan = MoePlan {
+            t,
+            k: top_k,
+            e,
+            bm,
+            max_tiles,
+            offsets,
+            tile_expert,
+            tile_row0,
+            tile_count,
+            slot_pos,
+            row_token,
+            xg,
+            hg,
+            hg_row_bytes: layout.inter * esz,
+            yg,
+            weights,
+            dense: false,
+            host_offsets,
+        };
         self.moe_set_dense(&mut plan, dense)?;
         Ok(plan)
     }
@@ -323,7 +466,6 @@ impl CudaBackend {
     }
 
     /// Runs both expert GEMMs for experts `e_lo..e_hi` whose weights sit at `wbase` (slot 0 = `e_lo`).
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_run_chunk(
         &self,
         plan: &MoePlan,
@@ -340,12 +482,52 @@ impl CudaBackend {
         let b2 = betas.linear_beta.unwrap_or(0.0);
         let bf = self.bf16();
         k::expert_gemm(
-            &self.gpu, self.moe_variant, stream, bf, true, plan.xg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
-            plan.max_tiles, wbase, layout.stride, layout.w1, layout.w3, e_lo, e_hi, layout.inter, layout.latent, plan.hg.ptr, betas.beta, b2,
+            &self.gpu,
+            self.moe_variant,
+            stream,
+            bf,
+            true,
+            plan.xg.ptr,
+            plan.tile_expert.ptr,
+            plan.tile_row0.ptr,
+            plan.tile_count.ptr,
+            plan.offsets.ptr,
+            plan.max_tiles,
+            wbase,
+            layout.stride,
+            layout.w1,
+            layout.w3,
+            e_lo,
+            e_hi,
+            layout.inter,
+            layout.latent,
+            plan.hg.ptr,
+            betas.beta,
+            b2,
         )?;
         k::expert_gemm(
-            &self.gpu, self.moe_variant, stream, bf, false, plan.hg.ptr, plan.tile_expert.ptr, plan.tile_row0.ptr, plan.tile_count.ptr, plan.offsets.ptr,
-            plan.max_tiles, wbase, layout.stride, layout.w2, layout.w2, e_lo, e_hi, layout.latent, layout.inter, plan.yg.ptr, 0.0, 0.0,
+            &self.gpu,
+            self.moe_variant,
+            stream,
+            bf,
+            false,
+            plan.hg.ptr,
+            plan.tile_expert.ptr,
+            plan.tile_row0.ptr,
+            plan.tile_count.ptr,
+            plan.offsets.ptr,
+            plan.max_tiles,
+            wbase,
+            layout.stride,
+            layout.w2,
+            layout.w2,
+            e_lo,
+            e_hi,
+            layout.latent,
+            layout.inter,
+            plan.yg.ptr,
+            0.0,
+            0.0,
         )
     }
 
@@ -416,6 +598,12 @@ impl CudaBackend {
         for &e in &routing.ids {
             ensure!((e as usize) < n, "moe_experts: expert id {e} out of range (layer has {n} experts)");
             counts[e as usize + 1] += 1;
+        }
+        if self.gpu.profile {
+            let rows = &counts[1..];
+            let max = rows.iter().copied().max().unwrap_or(0);
+            let empty = rows.iter().filter(|&&c| c == 0).count();
+            tracing::info!(rows = t * kk, experts = n, mean = (t * kk) as f64 / n.max(1) as f64, max, empty, "routed rows per expert (--profile)");
         }
         for i in 0..n {
             counts[i + 1] += counts[i];
@@ -510,7 +698,7 @@ impl CudaBackend {
     }
 }
 
-/// The `K3_PROFILE` step of a GEMM, by its weight's name.
+/// The `--profile` step of a GEMM, by its weight's name.
 fn gemm_step(w: &str) -> &'static str {
     if w.contains("lm_head") {
         "lm_head"
@@ -568,6 +756,12 @@ impl Backend for CudaBackend {
         let mut v = vec![0f32; x.len()];
         self.gpu.dtoh(&mut v, x.ptr())?;
         Ok(v)
+    }
+
+    fn download_later(&self, x: CudaBuf) -> OpResult<Box<dyn crate::backend::PendingDownload>> {
+        profile::begin(&self.gpu, "uploads, downloads")?;
+        let copy = self.gpu.dtoh_start(x.ptr(), x.len() * 4)?;
+        Ok(Box::new(CudaDownload { copy, _src: x }))
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> OpResult<CudaBuf> {
@@ -673,7 +867,14 @@ impl Backend for CudaBackend {
     fn short_conv_silu(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
         let (c, kw) = (w.rows, w.cols);
-        ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
+        ensure!(
+            x.cols == c && window.cols == c && window.rows + 1 == kw,
+            "short_conv_silu: x [{}, {}], w [{c}, {kw}], window [{}, {}]",
+            x.rows,
+            x.cols,
+            window.rows,
+            window.cols
+        );
         let y = self.empty(x.rows, c)?;
         k::short_conv_silu(&self.gpu, x.ptr(), c, window.ptr(), w.f32_ptr("short_conv")?, y.ptr(), c, x.rows, c, kw)?;
         let nw = self.empty(kw - 1, c)?;
@@ -685,7 +886,14 @@ impl Backend for CudaBackend {
     fn short_conv_silu_l2(&self, x: &CudaBuf, w: &CudaWeight, window: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
         let (c, kw) = (w.rows, w.cols);
-        ensure!(x.cols == c && window.cols == c && window.rows + 1 == kw, "short_conv_silu_l2: x [{}, {}], w [{c}, {kw}], window [{}, {}]", x.rows, x.cols, window.rows, window.cols);
+        ensure!(
+            x.cols == c && window.cols == c && window.rows + 1 == kw,
+            "short_conv_silu_l2: x [{}, {}], w [{c}, {kw}], window [{}, {}]",
+            x.rows,
+            x.cols,
+            window.rows,
+            window.cols
+        );
         ensure!(head_dim > 0 && c.is_multiple_of(head_dim), "short_conv_silu_l2: {c} columns not a multiple of {head_dim}");
         let wp = w.f32_ptr("short_conv")?;
         let y = self.empty(x.rows, c)?;
@@ -705,7 +913,7 @@ impl Backend for CudaBackend {
 
     fn l2_norm_heads(&self, x: &mut CudaBuf, head_dim: usize, eps: f32, scale: f32) -> OpResult<()> {
         profile::begin(&self.gpu, "KDA short conv + L2 norms")?;
-        ensure!(head_dim > 0 && x.cols % head_dim == 0, "l2_norm_heads: {} columns not a multiple of {head_dim}", x.cols);
+        ensure!(head_dim > 0 && x.cols.is_multiple_of(head_dim), "l2_norm_heads: {} columns not a multiple of {head_dim}", x.cols);
         k::l2_norm_heads(&self.gpu, x.ptr(), x.rows, x.cols / head_dim, head_dim, eps, scale)
     }
 
@@ -762,9 +970,26 @@ impl Backend for CudaBackend {
     fn gated_rms_norm(&self, o: &CudaBuf, gate: &CudaBuf, w: &CudaWeight, head_dim: usize, eps: f32) -> OpResult<CudaBuf> {
         profile::begin(&self.gpu, "KDA gate, gated norm")?;
         self.check_same("gated_rms_norm", o, gate)?;
-        ensure!(head_dim > 0 && o.cols % head_dim == 0 && w.rows * w.cols == head_dim, "gated_rms_norm: widths {} / {head_dim} / weight {}", o.cols, w.rows * w.cols);
+        ensure!(
+            head_dim > 0 && o.cols.is_multiple_of(head_dim) && w.rows * w.cols == head_dim,
+            "gated_rms_norm: widths {} / {head_dim} / weight {}",
+            o.cols,
+            w.rows * w.cols
+        );
         let y = self.empty(o.rows, o.cols)?;
-        k::kda_gated_norm(&self.gpu, o.ptr(), gate.ptr(), gate.cols, w.f32_ptr("gated_rms_norm")?, y.ptr(), o.rows, o.cols / head_dim, head_dim, eps, self.parts.round)?;
+        k::kda_gated_norm(
+            &self.gpu,
+            o.ptr(),
+            gate.ptr(),
+            gate.cols,
+            w.f32_ptr("gated_rms_norm")?,
+            y.ptr(),
+            o.rows,
+            o.cols / head_dim,
+            head_dim,
+            eps,
+            self.parts.round,
+        )?;
         Ok(y)
     }
 
@@ -786,17 +1011,28 @@ impl Backend for CudaBackend {
         ensure!(cache.cols == dims.latent() && cache.rows >= tk, "mla_attention: cache [{}, {}] for {tk} positions", cache.rows, cache.cols);
         ensure!(kv_b.rows == h * (dims.nope + dims.v) && kv_b.cols == dims.kv_lora, "mla_attention: kv_b is [{}, {}]", kv_b.rows, kv_b.cols);
         let kvw = h * (dims.nope + dims.v);
-        let kv = self.empty(tk, kvw)?;
-        self.gemm_raw(cache.ptr(), cache.cols, tk, kv_b, kv.ptr(), kvw)?;
         let kpe = cache.ptr() + (dims.kv_lora * 4) as u64;
         let out = self.empty(tq, h * dims.v)?;
         let (dqk, dv) = (dims.qk(), dims.v);
         let (dn, dr) = (dims.nope, dims.rope);
-        let m = k::MlaOperands { q: q.ptr(), qs: q.cols, kv: kv.ptr(), kvs: kvw, kpe, kps: cache.cols, tq, pos0, h, dn, dr, dv };
         if self.parts.attn && k::mla_bf16_supported(dqk, dv) {
-            let packed = k::mla_pack(&self.gpu, self.mla_kernel, &m)?;
+            // The keys are expanded (kv_b) and packed to BF16 block by block: the f32 expansion
+            // exists for one block of keys at a time, not for the whole context.
+            let packed = k::mla_pack_queries(&self.gpu, self.mla_kernel, q.ptr(), q.cols, tq, pos0, h, dn, dr, dv)?;
+            let block = self.mla_key_block.max(128) / 128 * 128;
+            let kv = self.empty(block.min(tk), kvw)?;
+            let row = (cache.cols * 4) as u64;
+            for k0 in (0..tk).step_by(block) {
+                let n = block.min(tk - k0);
+                self.gemm_raw(cache.ptr() + k0 as u64 * row, cache.cols, n, kv_b, kv.ptr(), kvw)?;
+                k::mla_pack_keys(&self.gpu, &packed, kv.ptr(), kvw, kpe + k0 as u64 * row, cache.cols, k0, n)?;
+            }
+            drop(kv);
             k::mla_attn_packed(&self.gpu, &packed, out.ptr(), h * dv, dims.scale())?;
         } else {
+            let kv = self.empty(tk, kvw)?;
+            self.gemm_raw(cache.ptr(), cache.cols, tk, kv_b, kv.ptr(), kvw)?;
+            let m = k::MlaOperands { q: q.ptr(), qs: q.cols, kv: kv.ptr(), kvs: kvw, kpe, kps: cache.cols, tq, pos0, h, dn, dr, dv };
             k::mla_attn_f32(&self.gpu, &m, out.ptr(), h * dv, dims.scale())?;
         }
         Ok(out)
@@ -809,9 +1045,18 @@ impl Backend for CudaBackend {
         let mut ids_h = vec![0i32; t * top_k];
         let mut w_h = vec![0f32; t * top_k];
         let mut gap_h = vec![0f32; t];
-        self.gpu.dtoh(&mut ids_h, ids.ptr)?;
-        self.gpu.dtoh(&mut w_h, w.ptr)?;
-        self.gpu.dtoh(&mut gap_h, gap.ptr)?;
+        // all three copies queued before the host waits for the first (one wait, not three)
+        let copies = [ids.ptr, w.ptr, gap.ptr]
+            .into_iter()
+            .zip([t * top_k * 4, t * top_k * 4, t * 4])
+            .map(|(p, n)| self.gpu.dtoh_start(p, n))
+            .collect::<Result<Vec<_>>>()?;
+        let mut copies = copies.into_iter();
+        let mut next = || copies.next().ok_or_else(|| anyhow::anyhow!("route: a readback is missing"));
+        next()?.finish_into(bytemuck::cast_slice_mut(&mut ids_h))?;
+        next()?.finish_into(bytemuck::cast_slice_mut(&mut w_h))?;
+        next()?.finish_into(bytemuck::cast_slice_mut(&mut gap_h))?;
+        drop((ids, w, gap));
         Ok(Routing { top_k, ids: ids_h.into_iter().map(|i| i as u32).collect(), weights: w_h, gap: gap_h })
     }
 
@@ -840,10 +1085,13 @@ impl Backend for CudaBackend {
                 bytes += inputs[j].1.ids.len() * per_row;
                 j += 1;
             }
+            profile::begin(&self.gpu, "routed experts: plan, gather")?;
             let plans = self.moe_plans_by_k(&inputs[i..j], experts.n, &layout)?;
+            profile::begin(&self.gpu, "routed experts")?;
             for (_, plan) in &plans {
                 self.moe_run_chunk(plan, &layout, experts.arena.ptr, 0, experts.n, betas, None)?;
             }
+            profile::begin(&self.gpu, "routed experts: combine")?;
             out.extend(self.moe_outputs_by_k(plans, &inputs[i..j], layout.latent)?);
             i = j;
         }

@@ -42,14 +42,35 @@ impl Blas {
 
     /// `y[rows, n_out] = x[rows, k] · W[n_out, k]ᵀ` with row strides `ldx` (elements of x) and
     /// `ldy` (of y); W is dense `[n_out, k]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(&self, ty: GemmType, x: CUdeviceptr, ldx: usize, w: CUdeviceptr, y: CUdeviceptr, ldy: usize, rows: usize, n_out: usize, k: usize) -> Result<()> {
+    pub fn gemm(
+        &self,
+        ty: GemmType,
+        x: CUdeviceptr,
+        ldx: usize,
+        w: CUdeviceptr,
+        y: CUdeviceptr,
+        ldy: usize,
+        rows: usize,
+        n_out: usize,
+        k: usize,
+    ) -> Result<()> {
         self.gemm_beta(ty, x, ldx, w, y, ldy, rows, n_out, k, 0.0)
     }
 
     /// [`Blas::gemm`] with `y = x · Wᵀ + beta · y` (f32 `y`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_beta(&self, ty: GemmType, x: CUdeviceptr, ldx: usize, w: CUdeviceptr, y: CUdeviceptr, ldy: usize, rows: usize, n_out: usize, k: usize, beta: f32) -> Result<()> {
+    pub fn gemm_beta(
+        &self,
+        ty: GemmType,
+        x: CUdeviceptr,
+        ldx: usize,
+        w: CUdeviceptr,
+        y: CUdeviceptr,
+        ldy: usize,
+        rows: usize,
+        n_out: usize,
+        k: usize,
+        beta: f32,
+    ) -> Result<()> {
         if rows == 0 || n_out == 0 {
             return Ok(());
         }

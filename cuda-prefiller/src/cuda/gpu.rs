@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
@@ -35,7 +35,12 @@ pub fn ck(r: sys::CUresult, what: &str) -> Result<()> {
 
 struct Streams {
     compute: sys::CUstream,
+    /// The weight streamer's host-to-device copies.
     copy: sys::CUstream,
+    /// The compute stream's own host-to-device copies ([`HostCopy::Streams`] only).
+    up: sys::CUstream,
+    /// The compute stream's device-to-host copies ([`HostCopy::Split`], [`HostCopy::Streams`]).
+    down: sys::CUstream,
 }
 // SAFETY: CUDA streams may be used from any thread of the process once the context is bound.
 unsafe impl Send for Streams {}
@@ -53,31 +58,149 @@ struct Module {
 }
 unsafe impl Send for Module {}
 
-/// How the compute stream's host <-> device copies ([`Gpu::htod`], [`Gpu::dtoh`]) run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the compute stream's host <-> device copies ([`Gpu::htod`], [`Gpu::dtoh`],
+/// [`Gpu::dtoh_start`]) run.
+///
+/// Measured on the H200 (docs/cuda.md, "Host copies"): a host-to-device copy on a copy stream of
+/// its own still waits for every weight copy queued before it on the weight streamer's stream
+/// (the embedding ids of a prompt: 351 ms, one layer's hand-off state: ~230 ms), so uploads go
+/// through the SMs; the device-to-host direction carries no weight traffic, so downloads go
+/// through the copy engine and are taken when their values are needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostCopy {
-    /// Through page-locked bounce buffers mapped into the device's address space, moved by a
-    /// copy kernel on the SMs (`kernels/convert.cu` `copy_bytes`): no copy engine is involved,
-    /// so they never wait behind the weight streamer's copies on the copy stream. The default.
+    /// Uploads as [`HostCopy::Kernel`], downloads as [`HostCopy::Streams`]. The default.
+    #[default]
+    Split,
+    /// Both directions through page-locked staging buffers (a pool, reused) and
+    /// `cuMemcpy{HtoD,DtoH}Async` on two copy streams of their own (one per direction, neither
+    /// the weight streamer's), ordered with the compute stream by events: no SM time, an upload
+    /// never blocks the host, a download blocks it only when its values are taken
+    /// ([`Download::finish_into`]). `--host-copy streams` (diagnostic: the uploads queue behind
+    /// the weights).
+    Streams,
+    /// Both directions through page-locked bounce buffers mapped into the device's address
+    /// space, moved by a copy kernel on the SMs (`kernels/convert.cu` `copy_bytes`):
+    /// `--host-copy kernel` (diagnostic: the former default).
     Kernel,
-    /// `cuMemcpy{HtoD,DtoH}Async` from/to pageable memory plus a stream synchronisation (the
-    /// former path; kept as a diagnostic, `K3_HOST_COPY=engine`). On the H200 such a copy waited
-    /// for the copy engine to finish the next layer's weights (docs/cuda.md, session 5).
+    /// `cuMemcpy{HtoD,DtoH}Async` from/to pageable memory on the compute stream plus a stream
+    /// synchronisation (`--host-copy engine`, diagnostic: the first path).
     Engine,
 }
 
 impl HostCopy {
-    /// `K3_HOST_COPY=engine` selects [`HostCopy::Engine`] (diagnostic); anything else the default.
-    pub fn from_env() -> HostCopy {
-        static M: std::sync::OnceLock<HostCopy> = std::sync::OnceLock::new();
-        *M.get_or_init(|| match std::env::var("K3_HOST_COPY").as_deref() {
-            Ok("engine") => HostCopy::Engine,
-            _ => HostCopy::Kernel,
-        })
+    /// Whether uploads run through the SM copy kernel.
+    pub fn uploads_by_kernel(self) -> bool {
+        matches!(self, HostCopy::Split | HostCopy::Kernel)
+    }
+
+    /// Whether downloads run on the download stream (and [`Gpu::dtoh_start`] returns before the copy).
+    pub fn downloads_on_streams(self) -> bool {
+        matches!(self, HostCopy::Streams | HostCopy::Split)
+    }
+
+    /// The flag value of each path (`--host-copy`).
+    pub const NAMES: [(&'static str, HostCopy); 4] =
+        [("split", HostCopy::Split), ("streams", HostCopy::Streams), ("kernel", HostCopy::Kernel), ("engine", HostCopy::Engine)];
+
+    /// The flag value of this path.
+    pub fn name(self) -> &'static str {
+        HostCopy::NAMES.iter().find(|(_, h)| *h == self).map_or("split", |(n, _)| n)
     }
 }
 
-/// Bytes of each of the two mapped page-locked bounce buffers of [`HostCopy::Kernel`].
+impl std::str::FromStr for HostCopy {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match HostCopy::NAMES.iter().find(|(n, _)| *n == s) {
+            Some((_, h)) => Ok(*h),
+            None => bail!("unknown host copy path {s:?} (split, streams, kernel or engine)"),
+        }
+    }
+}
+
+impl std::fmt::Display for HostCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Page-locked host memory of the staging pool (freed with the [`Gpu`]).
+struct Staged {
+    ptr: *mut u8,
+    bytes: usize,
+}
+// SAFETY: page-locked host memory owned by the pool (or by one [`Download`] while taken out).
+unsafe impl Send for Staged {}
+
+/// The staging pool of the copy-stream copies ([`HostCopy::Streams`], downloads of [`HostCopy::Split`]): idle page-locked buffers, each with the event of
+/// the copy that last read it (an upload), if any.
+#[derive(Default)]
+struct StagingPool {
+    idle: Vec<(Staged, Option<Event>)>,
+}
+
+/// Staging buffers are allocated in multiples of this (a few sizes serve every prompt length).
+const STAGING_GRAIN: usize = 2 << 20;
+/// Idle staging bytes above which idle buffers too small for a request are freed first.
+const STAGING_KEEP: usize = 2 << 30;
+
+/// A device-to-host copy in flight on the download stream ([`Gpu::dtoh_start`]); its values are
+/// taken by [`Download::finish_into`]. The source must stay allocated and unchanged until then.
+pub struct Download {
+    gpu: Arc<Gpu>,
+    bytes: usize,
+    how: DownloadHow,
+}
+
+enum DownloadHow {
+    /// Copied already (a former copy path, or nothing to copy).
+    Done(Vec<u8>),
+    /// On the download stream into `buf`; `done` after the copy.
+    Pending { buf: Option<Staged>, done: Event },
+}
+
+impl Download {
+    /// Bytes this download copies.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Waits for the copy (host blocked only if the GPU has not reached it yet) and copies its
+    /// bytes into `dst` (exactly [`Download::len`] bytes).
+    pub fn finish_into(mut self, dst: &mut [u8]) -> Result<()> {
+        ensure!(dst.len() == self.bytes, "download of {} bytes into {} bytes", self.bytes, dst.len());
+        match &mut self.how {
+            DownloadHow::Done(v) => dst.copy_from_slice(v),
+            DownloadHow::Pending { buf, done } => {
+                let t0 = std::time::Instant::now();
+                done.sync()?;
+                super::host_wait::host_blocked(self.gpu.profile, "device-to-host copy", self.bytes, t0.elapsed());
+                let b = buf.take().expect("a pending download holds its buffer");
+                // SAFETY: the copy of `bytes` bytes into `b` has completed (event above).
+                unsafe { std::ptr::copy_nonoverlapping(b.ptr as *const u8, dst.as_mut_ptr(), self.bytes) };
+                self.gpu.staging_give(b, None);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Download {
+    fn drop(&mut self) {
+        if let DownloadHow::Pending { buf, done } = &mut self.how {
+            if let Some(b) = buf.take() {
+                // not taken: the buffer goes back once the copy into it is done
+                let _ = done.sync();
+                self.gpu.staging_give(b, None);
+            }
+        }
+    }
+}
+
+/// Bytes of each of the two mapped page-locked bounce buffers of the copy kernel ([`HostCopy::Kernel`], uploads of [`HostCopy::Split`]).
 pub const BOUNCE_BYTES: usize = 32 << 20;
 
 /// The two bounce buffers: host address, device address of the same pages, and the event
@@ -92,6 +215,7 @@ unsafe impl Send for Bounce {}
 pub struct Gpu {
     /// Dropped (freed) before the context (declared first).
     bounce: Mutex<Option<Bounce>>,
+    staging: Mutex<StagingPool>,
     ctx: Arc<CudaContext>,
     streams: Streams,
     modules: Mutex<HashMap<String, Module>>,
@@ -99,11 +223,19 @@ pub struct Gpu {
     pub cc: (i32, i32),
     pub sm_count: i32,
     pub smem_optin: i32,
+    /// Bytes held by synchronous allocations ([`Gpu::alloc_sync`]) now.
+    sync_bytes: std::sync::atomic::AtomicUsize,
+    /// How the compute stream's host <-> device copies run (`--host-copy`).
+    pub host_copy: HostCopy,
+    /// `--profile`: GPU time per step ([`super::profile`]) and host time blocked on the GPU
+    /// ([`super::host_wait`]) are recorded.
+    pub profile: bool,
 }
 
 impl Gpu {
-    /// Opens GPU 0. Fails with a clear message when no usable GPU/driver/NVRTC/cuBLAS exists.
-    pub fn open() -> Result<Arc<Gpu>> {
+    /// Opens GPU 0 with the host copy path and profiling of the backend's options. Fails with a
+    /// clear message when no usable GPU/driver/NVRTC/cuBLAS exists.
+    pub fn open(host_copy: HostCopy, profile: bool) -> Result<Arc<Gpu>> {
         super::probe().map_err(|e| anyhow!("CUDA backend unavailable: {e}"))?;
         // Threads waiting for the GPU sleep instead of spinning, so that the weight streamer's
         // reader threads keep every core while the compute thread waits for a readback. (It did
@@ -122,31 +254,36 @@ impl Gpu {
         let ctx = CudaContext::new(0).map_err(|e| anyhow!("cannot open GPU 0: {e}"))?;
         let name = ctx.name().unwrap_or_default();
         let cc = ctx.compute_capability().map_err(|e| anyhow!("compute capability: {e}"))?;
-        let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| anyhow!("{e}"))?;
-        let smem_optin = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| anyhow!("{e}"))?;
-        let mut compute = std::ptr::null_mut();
-        let mut copy = std::ptr::null_mut();
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| anyhow!("{e}"))?;
+        let smem_optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(|e| anyhow!("{e}"))?;
+        let (mut compute, mut copy, mut up, mut down) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: the context is bound to this thread by CudaContext::new.
         unsafe {
-            ck(sys::cuStreamCreate(&mut compute, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
-            ck(sys::cuStreamCreate(&mut copy, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
+            for s in [&mut compute, &mut copy, &mut up, &mut down] {
+                ck(sys::cuStreamCreate(s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
+            }
             // keep freed stream-ordered memory in the pool instead of returning it at every sync
             let mut pool = std::ptr::null_mut();
             if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
                 let mut thr: u64 = u64::MAX;
-                let _ = sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                    &mut thr as *mut u64 as *mut c_void,
-                );
+                let _ = sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut thr as *mut u64 as *mut c_void);
             }
         }
         tracing::info!(gpu = %name, sm = format!("{}{}", cc.0, cc.1), sms = sm_count, "CUDA device opened");
-        Ok(Arc::new(Gpu { bounce: Mutex::new(None), ctx, streams: Streams { compute, copy }, modules: Mutex::new(HashMap::new()), name, cc, sm_count, smem_optin }))
+        Ok(Arc::new(Gpu {
+            bounce: Mutex::new(None),
+            staging: Mutex::new(StagingPool::default()),
+            ctx,
+            streams: Streams { compute, copy, up, down },
+            modules: Mutex::new(HashMap::new()),
+            name,
+            cc,
+            sm_count,
+            smem_optin,
+            sync_bytes: Default::default(),
+            host_copy,
+            profile,
+        }))
     }
 
     /// Binds the context to the calling thread (cheap; every entry point calls it).
@@ -171,7 +308,7 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         // SAFETY: valid stream handle.
         unsafe { ck(sys::cuStreamSynchronize(self.streams.compute), "synchronize compute stream")? };
-        super::host_wait::host_blocked("compute stream synchronisation", 0, t0.elapsed());
+        super::host_wait::host_blocked(self.profile, "compute stream synchronisation", 0, t0.elapsed());
         Ok(())
     }
 
@@ -199,7 +336,8 @@ impl Gpu {
             let dev = self.ctx.cu_device();
             if sys::cuDeviceGetDefaultMemPool(&mut pool, dev) == sys::CUresult::CUDA_SUCCESS {
                 let (mut reserved, mut used) = (0u64, 0u64);
-                let a = sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved as *mut u64 as *mut c_void);
+                let a =
+                    sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved as *mut u64 as *mut c_void);
                 let b = sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used as *mut u64 as *mut c_void);
                 if a == sys::CUresult::CUDA_SUCCESS && b == sys::CUresult::CUDA_SUCCESS {
                     pooled = reserved.saturating_sub(used) as usize;
@@ -207,6 +345,47 @@ impl Gpu {
             }
         }
         Ok(free + pooled)
+    }
+
+    /// The stream-ordered pool's attribute `a` (bytes), 0 when it cannot be read.
+    fn pool_attr(&self, a: sys::CUmemPool_attribute) -> u64 {
+        let mut v = 0u64;
+        // SAFETY: attribute queries on the device's default pool write one u64.
+        unsafe {
+            let mut pool = std::ptr::null_mut();
+            if self.bind().is_ok() && sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+                let _ = sys::cuMemPoolGetAttribute(pool, a, &mut v as *mut u64 as *mut c_void);
+            }
+        }
+        v
+    }
+
+    /// The allocator's high-water mark since [`Gpu::reset_memory_peak`]: the stream-ordered
+    /// pool's peak bytes in use plus the synchronous allocations live now (weight slots,
+    /// tables: made before a pass and held through it).
+    pub fn allocated_peak(&self) -> u64 {
+        self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH) + self.sync_bytes.load(std::sync::atomic::Ordering::Relaxed) as u64
+    }
+
+    /// The pool's reserved high-water mark (what the device had to give it) since the reset.
+    pub fn reserved_peak(&self) -> u64 {
+        self.pool_attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+    }
+
+    /// Returns the pool's unused memory to the device and restarts both high-water marks.
+    pub fn reset_memory_peak(&self) -> Result<()> {
+        self.sync()?;
+        // SAFETY: the default pool of this context's device; the attributes take a u64 zero.
+        unsafe {
+            let mut pool = std::ptr::null_mut();
+            ck(sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()), "cuDeviceGetDefaultMemPool")?;
+            ck(sys::cuMemPoolTrimTo(pool, 0), "cuMemPoolTrimTo")?;
+            for a in [sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH] {
+                let mut zero = 0u64;
+                ck(sys::cuMemPoolSetAttribute(pool, a, &mut zero as *mut u64 as *mut c_void), "resetting the pool's high-water mark")?;
+            }
+        }
+        Ok(())
     }
 
     /// A kernel function from `kernels/<module>.cu` compiled with `defines` (e.g. `["MLA_DQK=192"]`).
@@ -236,11 +415,7 @@ impl Gpu {
                     "reading a kernel's static shared memory",
                 )?;
                 ck(
-                    sys::cuFuncSetAttribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        self.smem_optin - stat,
-                    ),
+                    sys::cuFuncSetAttribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem_optin - stat),
                     &format!("raising the dynamic shared memory limit of {name}"),
                 )?;
             }
@@ -254,7 +429,6 @@ impl Gpu {
         self.launch_on(self.streams.compute, f, grid, block, smem, args, what)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub fn launch_on(
         &self,
         stream: sys::CUstream,
@@ -274,12 +448,7 @@ impl Gpu {
         self.bind()?;
         let mut ptrs = args.ptrs();
         // SAFETY: the argument list matches the kernel signature (each call site mirrors its .cu).
-        unsafe {
-            ck(
-                sys::cuLaunchKernel(f.0, grid.0, grid.1, grid.2, block.0, block.1, block.2, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()),
-                what,
-            )
-        }
+        unsafe { ck(sys::cuLaunchKernel(f.0, grid.0, grid.1, grid.2, block.0, block.1, block.2, smem, stream, ptrs.as_mut_ptr(), std::ptr::null_mut()), what) }
     }
 
     /// Device memory, stream-ordered on the compute stream.
@@ -287,9 +456,7 @@ impl Gpu {
         self.bind()?;
         let mut p: sys::CUdeviceptr = 0;
         if bytes > 0 {
-            unsafe {
-                ck(sys::cuMemAllocAsync(&mut p, bytes, self.streams.compute), &format!("allocating {bytes} bytes of device memory"))?
-            };
+            unsafe { ck(sys::cuMemAllocAsync(&mut p, bytes, self.streams.compute), &format!("allocating {bytes} bytes of device memory"))? };
         }
         Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: false, borrowed: false })
     }
@@ -300,6 +467,7 @@ impl Gpu {
         let mut p: sys::CUdeviceptr = 0;
         if bytes > 0 {
             unsafe { ck(sys::cuMemAlloc_v2(&mut p, bytes), &format!("allocating {bytes} bytes of device memory"))? };
+            self.sync_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(DevMem { ptr: p, bytes, gpu: self.clone(), sync_alloc: true, borrowed: false })
     }
@@ -322,12 +490,37 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         // SAFETY: `src` is `n` initialised bytes (T: Copy, plain data).
         let bytes = unsafe { std::slice::from_raw_parts(src.as_ptr() as *const u8, n) };
-        match HostCopy::from_env() {
+        match self.host_copy {
+            HostCopy::Streams => {
+                let buf = self.staging_take(n)?;
+                // SAFETY: the staging buffer holds at least n bytes and no copy reads it now.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr, n) };
+                // after the compute stream's earlier work (dst may be a stream-ordered allocation
+                // or still read there), before its later work
+                let issued = (|| -> Result<Event> {
+                    self.order(self.streams.compute, self.streams.up)?;
+                    // SAFETY: page-locked source of n bytes, kept until the event below completes.
+                    unsafe { ck(sys::cuMemcpyHtoDAsync_v2(dst, buf.ptr as *const c_void, n, self.streams.up), "host-to-device copy")? };
+                    let done = self.event_sync_only()?;
+                    done.record(self.streams.up)?;
+                    done.wait_on(self.streams.compute)?;
+                    Ok(done)
+                })();
+                match issued {
+                    Ok(done) => self.staging_give(buf, Some(done)),
+                    Err(e) => {
+                        // the copy may be queued: keep the buffer until the stream is idle
+                        let _ = self.sync_stream(self.streams.up);
+                        self.staging_give(buf, None);
+                        return Err(e);
+                    }
+                }
+            }
             HostCopy::Engine => unsafe {
                 ck(sys::cuMemcpyHtoDAsync_v2(dst, bytes.as_ptr() as *const c_void, n, self.streams.compute), "host-to-device copy")?;
                 ck(sys::cuStreamSynchronize(self.streams.compute), "host-to-device copy")?;
             },
-            HostCopy::Kernel => {
+            HostCopy::Kernel | HostCopy::Split => {
                 let mut guard = self.bounce.lock().map_err(|_| anyhow!("bounce buffers poisoned"))?;
                 let bn = self.bounce_bufs(&mut guard)?;
                 for (i, o) in (0..n).step_by(BOUNCE_BYTES).enumerate() {
@@ -342,7 +535,7 @@ impl Gpu {
                 }
             }
         }
-        super::host_wait::host_blocked("host-to-device copy", n, t0.elapsed());
+        super::host_wait::host_blocked(self.profile, "host-to-device copy", n, t0.elapsed());
         Ok(())
     }
 
@@ -356,7 +549,17 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         // SAFETY: `dst` is `n` bytes of plain data (T: Copy); every byte is written below.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, n) };
-        match HostCopy::from_env() {
+        match self.host_copy {
+            HostCopy::Streams | HostCopy::Split => {
+                let (buf, done) = self.issue_download(src, n)?;
+                let r = done.sync();
+                if r.is_ok() {
+                    // SAFETY: the copy of n bytes into the staging buffer has completed.
+                    unsafe { std::ptr::copy_nonoverlapping(buf.ptr as *const u8, out.as_mut_ptr(), n) };
+                }
+                self.staging_give(buf, None);
+                r?;
+            }
             HostCopy::Engine => unsafe {
                 ck(sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, src, n, self.streams.compute), "device-to-host copy")?;
                 ck(sys::cuStreamSynchronize(self.streams.compute), "device-to-host copy")?;
@@ -384,8 +587,117 @@ impl Gpu {
                 }
             }
         }
-        super::host_wait::host_blocked("device-to-host copy", n, t0.elapsed());
+        super::host_wait::host_blocked(self.profile, "device-to-host copy", n, t0.elapsed());
         Ok(())
+    }
+
+    /// The compute stream's device → host copy of `n` bytes at `src` on the download stream,
+    /// started now (after the compute stream's work so far) and taken later
+    /// ([`Download::finish_into`]): the host does not wait for the GPU to get there now. With a
+    /// former copy path ([`HostCopy`]) the copy is done at once.
+    pub fn dtoh_start(self: &Arc<Self>, src: sys::CUdeviceptr, n: usize) -> Result<Download> {
+        self.bind()?;
+        if n == 0 || !self.host_copy.downloads_on_streams() {
+            let mut v = vec![0u8; n];
+            self.dtoh(&mut v, src)?;
+            return Ok(Download { gpu: self.clone(), bytes: n, how: DownloadHow::Done(v) });
+        }
+        let (buf, done) = self.issue_download(src, n)?;
+        Ok(Download { gpu: self.clone(), bytes: n, how: DownloadHow::Pending { buf: Some(buf), done } })
+    }
+
+    /// A staging buffer of at least `n` bytes with the copy of `src` into it queued on the
+    /// download stream after the compute stream's work so far; the event follows the copy.
+    fn issue_download(&self, src: sys::CUdeviceptr, n: usize) -> Result<(Staged, Event)> {
+        let buf = self.staging_take(n)?;
+        let issued = (|| -> Result<Event> {
+            self.order(self.streams.compute, self.streams.down)?;
+            // SAFETY: the staging buffer holds at least n bytes and is ours until given back.
+            unsafe { ck(sys::cuMemcpyDtoHAsync_v2(buf.ptr as *mut c_void, src, n, self.streams.down), "device-to-host copy")? };
+            let done = self.event_sync_only()?;
+            done.record(self.streams.down)?;
+            Ok(done)
+        })();
+        match issued {
+            Ok(done) => Ok((buf, done)),
+            Err(e) => {
+                let _ = self.sync_stream(self.streams.down);
+                self.staging_give(buf, None);
+                Err(e)
+            }
+        }
+    }
+
+    /// Work queued on `to` from now on starts after the work queued on `from` so far.
+    fn order(&self, from: sys::CUstream, to: sys::CUstream) -> Result<()> {
+        let e = self.event_sync_only()?;
+        e.record(from)?;
+        e.wait_on(to)
+    }
+
+    fn sync_stream(&self, s: sys::CUstream) -> Result<()> {
+        unsafe { ck(sys::cuStreamSynchronize(s), "synchronize a host-copy stream") }
+    }
+
+    /// An idle staging buffer of at least `n` bytes (the smallest that fits and whose last copy
+    /// is done), else a new one; give it back with [`Gpu::staging_give`].
+    fn staging_take(&self, n: usize) -> Result<Staged> {
+        let mut pool = self.staging.lock().map_err(|_| anyhow!("staging pool poisoned"))?;
+        let fit = pool
+            .idle
+            .iter()
+            .enumerate()
+            .filter(|(_, (b, ev))| b.bytes >= n && ev.as_ref().is_none_or(|e| e.is_done()))
+            .min_by_key(|(_, (b, _))| b.bytes)
+            .map(|(i, _)| i);
+        if let Some(i) = fit {
+            return Ok(pool.idle.swap_remove(i).0);
+        }
+        let held: usize = pool.idle.iter().map(|(b, _)| b.bytes).sum();
+        if held > STAGING_KEEP {
+            // too much idle staging: free the idle buffers too small for this request
+            let (keep, free): (Vec<_>, Vec<_>) = std::mem::take(&mut pool.idle).into_iter().partition(|(b, _)| b.bytes >= n);
+            pool.idle = keep;
+            for (b, ev) in free {
+                if let Some(e) = ev {
+                    e.sync()?;
+                }
+                // SAFETY: allocated by cuMemHostAlloc below; no copy uses it any more.
+                unsafe {
+                    let _ = sys::cuMemFreeHost(b.ptr as *mut c_void);
+                }
+            }
+        }
+        drop(pool);
+        let bytes = n.div_ceil(STAGING_GRAIN).max(1) * STAGING_GRAIN;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        self.bind()?;
+        // SAFETY: plain allocation of page-locked host memory.
+        unsafe { ck(sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE), &format!("allocating {bytes} bytes of page-locked staging memory"))? };
+        Ok(Staged { ptr: p as *mut u8, bytes })
+    }
+
+    /// Returns a staging buffer to the pool; `busy` follows the last copy that reads it.
+    fn staging_give(&self, b: Staged, busy: Option<Event>) {
+        match self.staging.lock() {
+            Ok(mut pool) => pool.idle.push((b, busy)),
+            Err(_) => {
+                // the pool is gone with a panic: free the buffer once its copy is done
+                if let Some(e) = busy {
+                    let _ = e.sync();
+                }
+                unsafe {
+                    let _ = sys::cuMemFreeHost(b.ptr as *mut c_void);
+                }
+            }
+        }
+    }
+
+    /// An event for ordering and host waits only (no timing: cheaper to record).
+    pub fn event_sync_only(&self) -> Result<Event> {
+        let mut e = std::ptr::null_mut();
+        unsafe { ck(sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32), "cuEventCreate")? };
+        Ok(Event(e))
     }
 
     /// The bounce buffers of [`HostCopy::Kernel`], allocated at first use.
@@ -431,12 +743,7 @@ impl Gpu {
     pub fn pinned(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuf> {
         self.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
-        unsafe {
-            ck(
-                sys::cuMemHostAlloc(&mut p, bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE),
-                &format!("allocating {bytes} bytes of pinned host memory"),
-            )?
-        };
+        unsafe { ck(sys::cuMemHostAlloc(&mut p, bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE), &format!("allocating {bytes} bytes of pinned host memory"))? };
         Ok(PinnedBuf { ptr: p as *mut u8, bytes, gpu: self.clone() })
     }
 
@@ -444,10 +751,7 @@ impl Gpu {
     pub fn register_host(&self, ptr: *const u8, bytes: usize) -> Result<()> {
         self.bind()?;
         unsafe {
-            ck(
-                sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE),
-                &format!("page-locking {bytes} bytes of host memory"),
-            )
+            ck(sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE), &format!("page-locking {bytes} bytes of host memory"))
         }
     }
 
@@ -479,6 +783,17 @@ impl Gpu {
 impl Drop for Gpu {
     fn drop(&mut self) {
         let _ = self.bind();
+        if let Ok(mut pool) = self.staging.lock() {
+            for (b, ev) in std::mem::take(&mut pool.idle) {
+                if let Some(e) = ev {
+                    let _ = e.sync();
+                }
+                // SAFETY: allocated by cuMemHostAlloc in `staging_take`, freed once.
+                unsafe {
+                    let _ = sys::cuMemFreeHost(b.ptr as *mut c_void);
+                }
+            }
+        }
         if let Ok(mut b) = self.bounce.lock() {
             if let Some(bn) = b.take() {
                 for (h, _, ev) in bn.bufs {
@@ -559,6 +874,7 @@ impl Drop for DevMem {
         unsafe {
             if self.sync_alloc {
                 let _ = sys::cuMemFree_v2(self.ptr);
+                self.gpu.sync_bytes.fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
             } else {
                 let _ = sys::cuMemFreeAsync(self.ptr, self.gpu.streams.compute);
             }

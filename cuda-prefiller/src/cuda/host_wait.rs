@@ -1,8 +1,9 @@
 //! Host time blocked on the GPU, by profiling step: every call of [`super::gpu::Gpu`] that blocks
 //! the calling thread (the compute stream's host <-> device copies and synchronisations) reports
-//! here through [`host_blocked`]. With `K3_PROFILE=1` the waits are summed by kind and by the step
-//! [`super::profile::begin`] entered last ([`host_report`]); any single wait over 2 ms is logged
-//! (tracing, debug level) whether or not profiling is on.
+//! here through [`host_blocked`]. With `--profile` ([`super::gpu::Gpu::profile`], passed in by the
+//! caller) the waits are summed by kind and by the step [`super::profile::begin`] entered last
+//! ([`host_report`]); any single wait over 2 ms is logged (tracing, debug level) whether or not
+//! profiling is on.
 //!
 //! Below [`super::gpu`] (it needs no GPU): the profiler's event marks, which do, live in
 //! [`super::profile`] and set the current step here.
@@ -22,12 +23,6 @@ fn waits() -> &'static Mutex<Waits> {
     W.get_or_init(|| Mutex::new(Waits { current: "-", host: BTreeMap::new() }))
 }
 
-/// True when `K3_PROFILE` is set to something other than `0`.
-pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("K3_PROFILE").map(|v| v != "0" && !v.is_empty()).unwrap_or(false))
-}
-
 /// Makes `name` the current step; returns the step it ends.
 pub fn enter_step(name: &'static str) -> &'static str {
     let mut w = waits().lock().unwrap_or_else(|e| e.into_inner());
@@ -42,9 +37,8 @@ pub fn reset() {
 }
 
 /// The calling thread was blocked for `d` in `what` (a copy of `bytes` bytes, or a
-/// synchronisation): summed per step while profiling; logged when over 2 ms.
-pub fn host_blocked(what: &'static str, bytes: usize, d: std::time::Duration) {
-    let on = enabled();
+/// synchronisation): summed per step when `on` (the GPU's `--profile`); logged when over 2 ms.
+pub fn host_blocked(on: bool, what: &'static str, bytes: usize, d: std::time::Duration) {
     if !on && d.as_micros() < 2000 {
         return;
     }
@@ -62,7 +56,7 @@ pub fn host_blocked(what: &'static str, bytes: usize, d: std::time::Duration) {
 }
 
 /// Host time blocked on the GPU since the last [`reset`]: `(what, step, calls, ms, bytes)`,
-/// largest first; empty unless [`enabled`].
+/// largest first; empty unless profiling.
 pub fn host_report() -> Vec<(&'static str, &'static str, usize, f64, usize)> {
     let w = waits().lock().unwrap_or_else(|e| e.into_inner());
     let mut v: Vec<_> = w.host.iter().map(|(&(what, s), &(c, secs, b))| (what, s, c, secs * 1e3, b)).collect();

@@ -56,7 +56,6 @@ pub fn f32_to_bf16_2d(gpu: &Gpu, inp: P, ins: usize, out: P, rows: usize, cols: 
 }
 
 /// Splits f32 `[rows, cols]` (row stride `ld`) into three dense bf16 parts (kernels/bf16_split.cu).
-#[allow(clippy::too_many_arguments)]
 pub fn split_bf16x3(gpu: &Gpu, inp: P, ld: usize, p0: P, p1: P, p2: P, rows: usize, cols: usize) -> Result<()> {
     let f = gpu.func("bf16_split", &[], "split_bf16x3")?;
     let a = KArgs::new().arg(inp).arg(ld as i64).arg(p0).arg(p1).arg(p2).arg(rows as i32).arg(cols as i32);
@@ -93,55 +92,32 @@ pub fn embed_rows(gpu: &Gpu, table: P, ids: P, out: P, t: usize, h: usize) -> Re
     gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "embed_rows")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_rows(gpu: &Gpu, x: P, xs: usize, w: P, y: P, ys: usize, rows: usize, n: usize, eps: f32, bf16_cast: bool) -> Result<()> {
     let bx = quad_block(n / 4);
     let nq = (n / 4).div_ceil(bx);
     if vec4_ok(&[x, w, y], &[n, xs, ys]) && (1..=8).contains(&nq) {
         let name = format!("rmsnorm_rows4_q{nq}");
         let f = gpu.func("rmsnorm", &[], &name)?;
-        let mut a = KArgs::new()
-            .arg(x)
-            .arg(xs as i64)
-            .arg(w)
-            .arg(y)
-            .arg(ys as i64)
-            .arg(rows as i32)
-            .arg(n as i32)
-            .arg(eps)
-            .arg(bf16_cast as i32);
+        let mut a = KArgs::new().arg(x).arg(xs as i64).arg(w).arg(y).arg(ys as i64).arg(rows as i32).arg(n as i32).arg(eps).arg(bf16_cast as i32);
         return gpu.launch(f, (blocks(rows, 1)?, 1, 1), (bx as u32, 1, 1), 0, &mut a, &name);
     }
     let f = gpu.func("rmsnorm", &[], "rmsnorm_rows")?;
-    let mut a =
-        KArgs::new().arg(x).arg(xs as i64).arg(w).arg(y).arg(ys as i64).arg(rows as i32).arg(n as i32).arg(eps).arg(bf16_cast as i32);
+    let mut a = KArgs::new().arg(x).arg(xs as i64).arg(w).arg(y).arg(ys as i64).arg(rows as i32).arg(n as i32).arg(eps).arg(bf16_cast as i32);
     gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "rmsnorm_rows")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn mla_latent(gpu: &Gpu, kv: P, w: P, out: P, rows: usize, kv_lora: usize, rope: usize, eps: f32) -> Result<()> {
     let f = gpu.func("rmsnorm", &[], "mla_latent")?;
     let mut a = KArgs::new().arg(kv).arg(w).arg(out).arg(rows as i32).arg(kv_lora as i32).arg(rope as i32).arg(eps);
     gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, "mla_latent")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn situ_glu(gpu: &Gpu, g: P, gs: usize, u: P, us: usize, out: P, os: usize, rows: usize, n: usize, b1: f32, b2: f32, bf16_out: bool) -> Result<()> {
     let vec = vec4_ok(&[g, u, out], &[n, gs, us, os]);
     let name = if vec { "situ_glu4" } else { "situ_glu" };
     let f = gpu.func("situ", &[], name)?;
-    let mut a = KArgs::new()
-        .arg(g)
-        .arg(gs as i64)
-        .arg(u)
-        .arg(us as i64)
-        .arg(out)
-        .arg(os as i64)
-        .arg(rows as i32)
-        .arg(n as i32)
-        .arg(b1)
-        .arg(b2)
-        .arg(bf16_out as i32);
+    let mut a =
+        KArgs::new().arg(g).arg(gs as i64).arg(u).arg(us as i64).arg(out).arg(os as i64).arg(rows as i32).arg(n as i32).arg(b1).arg(b2).arg(bf16_out as i32);
     if vec {
         let (grid, block) = grid_rows4(gpu, n / 4, rows, 4);
         return gpu.launch(f, grid, block, 0, &mut a, name);
@@ -154,7 +130,6 @@ pub fn situ_glu(gpu: &Gpu, g: P, gs: usize, u: P, us: usize, out: P, os: usize, 
 #[repr(C)]
 pub struct BankPtrs(pub [u64; 32]);
 
-#[allow(clippy::too_many_arguments)]
 pub fn attnres_mix(gpu: &Gpu, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t: usize, h: usize, eps: f32, bf16_out: bool) -> Result<()> {
     attnres_mix_variant(gpu, AttnResKernel::Auto, bank, p, norm_w, proj_w, out, t, h, eps, bf16_out)
 }
@@ -168,11 +143,24 @@ pub enum AttnResKernel {
     /// `attnres_mix`: any width, every candidate read twice.
     Scalar,
     /// `attnres_mix4_q*` / `attnres_mix4np_q*`, forced prefetch on or off (errors where the float4 kernel does not apply).
-    Vec4 { prefetch: bool },
+    Vec4 {
+        prefetch: bool,
+    },
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn attnres_mix_variant(gpu: &Gpu, kernel: AttnResKernel, bank: &[P], p: P, norm_w: P, proj_w: P, out: P, t: usize, h: usize, eps: f32, bf16_out: bool) -> Result<()> {
+pub fn attnres_mix_variant(
+    gpu: &Gpu,
+    kernel: AttnResKernel,
+    bank: &[P],
+    p: P,
+    norm_w: P,
+    proj_w: P,
+    out: P,
+    t: usize,
+    h: usize,
+    eps: f32,
+    bf16_out: bool,
+) -> Result<()> {
     if bank.len() > 31 {
         bail!("attn_res_mix: {} bank entries, the kernel takes at most 31", bank.len());
     }
@@ -210,19 +198,16 @@ pub fn attnres_mix_variant(gpu: &Gpu, kernel: AttnResKernel, bank: &[P], p: P, n
     gpu.launch(f, (blocks(t, 1)?, 1, 1), (threads, 1, 1), 0, &mut a, &name)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn short_conv_silu(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: usize, t: usize, c: usize, kw: usize) -> Result<()> {
     if short_conv_vec4(x, xs, state, w, y, ys, c, kw) {
         return short_conv_silu4(gpu, x, xs, state, w, y, ys, t, c, kw, None);
     }
     let f = gpu.func("short_conv", &[], "short_conv_silu")?;
-    let mut a =
-        KArgs::new().arg(x).arg(xs as i64).arg(state).arg(w).arg(y).arg(ys as i64).arg(t as i32).arg(c as i32).arg(kw as i32);
+    let mut a = KArgs::new().arg(x).arg(xs as i64).arg(state).arg(w).arg(y).arg(ys as i64).arg(t as i32).arg(c as i32).arg(kw as i32);
     gpu.launch(f, grid1(gpu, t * c), (256, 1, 1), 0, &mut a, "short_conv_silu")
 }
 
 /// Whether the float4 short-conv kernel runs for these pointers and widths.
-#[allow(clippy::too_many_arguments)]
 pub fn short_conv_vec4(x: P, xs: usize, state: P, w: P, y: P, ys: usize, c: usize, kw: usize) -> bool {
     let _ = w; // read as scalars
     vec4_ok(&[x, state, y], &[c, xs, ys]) && (2..=8).contains(&kw)
@@ -230,7 +215,6 @@ pub fn short_conv_vec4(x: P, xs: usize, state: P, w: P, y: P, ys: usize, c: usiz
 
 /// The float4 short conv + SiLU (see [`short_conv_vec4`]); with `l2 = Some((eps, scale))` also
 /// the per-head L2 norm of the output, heads of 128 columns (`c` a multiple of 128).
-#[allow(clippy::too_many_arguments)]
 pub fn short_conv_silu4(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: usize, t: usize, c: usize, kw: usize, l2: Option<(f32, f32)>) -> Result<()> {
     if !short_conv_vec4(x, xs, state, w, y, ys, c, kw) || (l2.is_some() && !c.is_multiple_of(128)) {
         bail!("short_conv_silu4: widths {c} (strides {xs}/{ys}, window {kw}) or alignment do not fit the float4 kernel");
@@ -241,45 +225,23 @@ pub fn short_conv_silu4(gpu: &Gpu, x: P, xs: usize, state: P, w: P, y: P, ys: us
     let gx = (c / 4).div_ceil(bx);
     let gy = t.div_ceil(16).clamp(1, 65535); // 16 rows per thread (CONV_ROWS)
     let (eps, scale) = l2.unwrap_or((0.0, 1.0));
-    let mut a = KArgs::new()
-        .arg(x)
-        .arg(xs as i64)
-        .arg(state)
-        .arg(w)
-        .arg(y)
-        .arg(ys as i64)
-        .arg(t as i32)
-        .arg(c as i32)
-        .arg(l2.is_some() as i32)
-        .arg(eps)
-        .arg(scale);
+    let mut a =
+        KArgs::new().arg(x).arg(xs as i64).arg(state).arg(w).arg(y).arg(ys as i64).arg(t as i32).arg(c as i32).arg(l2.is_some() as i32).arg(eps).arg(scale);
     gpu.launch(f, (gx as u32, gy as u32, 1), (bx as u32, 1, 1), 0, &mut a, &name)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn conv_window_update(gpu: &Gpu, x: P, xs: usize, state_in: P, state_out: P, t: usize, c: usize, kw: usize) -> Result<()> {
     let f = gpu.func("short_conv", &[], "conv_window_update")?;
     let mut a = KArgs::new().arg(x).arg(xs as i64).arg(state_in).arg(state_out).arg(t as i32).arg(c as i32).arg(kw as i32);
     gpu.launch(f, grid1(gpu, (kw - 1) * c), (256, 1, 1), 0, &mut a, "conv_window_update")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn router_topk(gpu: &Gpu, logits: P, bias: P, t: usize, e: usize, k: usize, renorm: bool, scale: f32, idx: P, w: P, gap: P) -> Result<()> {
     if k == 0 || k > 64 || k > e {
         bail!("router: top-{k} of {e} experts is not supported (1 <= k <= min(64, E))");
     }
     let f = gpu.func("router", &[], "router_topk")?;
-    let mut a = KArgs::new()
-        .arg(logits)
-        .arg(bias)
-        .arg(t as i32)
-        .arg(e as i32)
-        .arg(k as i32)
-        .arg(renorm as i32)
-        .arg(scale)
-        .arg(idx)
-        .arg(w)
-        .arg(gap);
+    let mut a = KArgs::new().arg(logits).arg(bias).arg(t as i32).arg(e as i32).arg(k as i32).arg(renorm as i32).arg(scale).arg(idx).arg(w).arg(gap);
     gpu.launch(f, (blocks(t, 1)?, 1, 1), (256, 1, 1), (e * 4) as u32, &mut a, "router_topk")
 }
 
@@ -299,7 +261,6 @@ pub fn l2_norm_heads(gpu: &Gpu, x: P, rows: usize, h: usize, d: usize, eps: f32,
     gpu.launch(f, grid1(gpu, rows * h * 32), (256, 1, 1), 0, &mut a, "l2_norm_heads")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn kda_gate(gpu: &Gpu, z: P, a_log: P, dt_bias: P, g: P, rows: usize, h: usize, d: usize, lower_bound: Option<f32>) -> Result<()> {
     let vec = vec4_ok(&[z, dt_bias, g], &[d]);
     let name = if vec { "kda_gate4" } else { "kda_gate" };
@@ -356,7 +317,6 @@ fn max_carveout(f: super::gpu::Func, what: &str) -> Result<()> {
 
 /// The state-independent products of chunks `c0 .. c0+nch` that need no solve (one block of 288
 /// threads per chunk and head; two blocks per SM at head_dim 128). [`kda_chunk_solve`] follows.
-#[allow(clippy::too_many_arguments)]
 pub fn kda_chunk_prep(gpu: &Gpu, q: P, k: P, g: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
     if !d.is_multiple_of(32) || d > 128 {
         bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
@@ -369,7 +329,6 @@ pub fn kda_chunk_prep(gpu: &Gpu, q: P, k: P, g: P, beta: P, t: usize, h: usize, 
 
 /// W and U of chunks `c0 .. c0+nch` by forward substitution (one block of 256 threads per chunk and
 /// head, one thread per column), after [`kda_chunk_prep`] on the same workspace.
-#[allow(clippy::too_many_arguments)]
 pub fn kda_chunk_solve(gpu: &Gpu, v: P, beta: P, t: usize, h: usize, d: usize, c0: usize, nch: usize, ws: P) -> Result<()> {
     if !d.is_multiple_of(32) || d > 128 {
         bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
@@ -382,7 +341,6 @@ pub fn kda_chunk_solve(gpu: &Gpu, v: P, beta: P, t: usize, h: usize, d: usize, c
 
 /// Walks chunks `c0 .. c0+nch` in order: one block of 128 threads per head and 32 value columns
 /// of its state (three blocks per SM at head_dim 128).
-#[allow(clippy::too_many_arguments)]
 pub fn kda_chunk_scan(gpu: &Gpu, ws: P, s: P, out: P, t: usize, h: usize, d: usize, c0: usize, nch: usize) -> Result<()> {
     if !d.is_multiple_of(32) || d > 128 {
         bail!("chunked KDA kernel needs head_dim a multiple of 32 and <= 128, got {d}");
@@ -394,7 +352,6 @@ pub fn kda_chunk_scan(gpu: &Gpu, ws: P, s: P, out: P, t: usize, h: usize, d: usi
     gpu.launch(f, (h as u32, (d / 32) as u32, 1), (128, 1, 1), smem, &mut a, "kda_chunk_scan")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn kda_recurrent(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, s: P, out: P, t: usize, h: usize, d: usize) -> Result<()> {
     if d > 1024 {
         bail!("recurrent KDA kernel needs head_dim <= 1024, got {d}");
@@ -405,7 +362,6 @@ pub fn kda_recurrent(gpu: &Gpu, q: P, k: P, v: P, g: P, beta: P, s: P, out: P, t
     gpu.launch(f, (h as u32, 1, 1), (d as u32, 1, 1), smem, &mut a, "kda_recurrent")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, h: usize, d: usize, eps: f32, bf16_out: bool) -> Result<()> {
     let nv = d.div_ceil(128);
     // the float4 kernel (one warp per two (t, h) units) or the scalar one (a warp per unit); the same arguments
@@ -415,17 +371,7 @@ pub fn kda_gated_norm(gpu: &Gpu, o: P, r: P, rs: usize, w: P, out: P, t: usize, 
         ("kda_gated_norm".to_string(), t * h)
     };
     let f = gpu.func("kda", &[], &name)?;
-    let mut a = KArgs::new()
-        .arg(o)
-        .arg(r)
-        .arg(rs as i64)
-        .arg(w)
-        .arg(out)
-        .arg(t as i32)
-        .arg(h as i32)
-        .arg(d as i32)
-        .arg(eps)
-        .arg(bf16_out as i32);
+    let mut a = KArgs::new().arg(o).arg(r).arg(rs as i64).arg(w).arg(out).arg(t as i32).arg(h as i32).arg(d as i32).arg(eps).arg(bf16_out as i32);
     gpu.launch(f, grid1(gpu, warps * 32), (256, 1, 1), 0, &mut a, &name)
 }
 
@@ -478,7 +424,7 @@ fn mla_defines(dqk: usize, dv: usize) -> Vec<String> {
 
 /// Whether the bf16 tensor-core attention kernel supports these head widths.
 pub fn mla_bf16_supported(dqk: usize, dv: usize) -> bool {
-    dqk % 16 == 0 && dv % 16 == 0 && dqk <= 256 && dv <= 256
+    dqk.is_multiple_of(16) && dv.is_multiple_of(16) && dqk <= 256 && dv <= 256
 }
 
 pub fn mla_pack_q(gpu: &Gpu, q: P, qs: usize, qb: P, tq: usize, h: usize, dqk: usize, dv: usize) -> Result<()> {
@@ -487,26 +433,35 @@ pub fn mla_pack_q(gpu: &Gpu, q: P, qs: usize, qb: P, tq: usize, h: usize, dqk: u
     gpu.launch(f, (tq as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_q")
 }
 
-/// `vb == 0`: K only.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_pack_kv(gpu: &Gpu, kv: P, kvs: usize, kpe: P, kps: usize, kb: P, vb: P, tk: usize, h: usize, dn: usize, dr: usize, dv: usize) -> Result<()> {
+/// Keys `k0 .. k0 + rows` of `Kb`/`Vb` (`[h][tk][..]`), from `kv`/`kpe` rows `0 .. rows` (the
+/// caller passes them at key `k0`). `vb == 0`: K only.
+pub fn mla_pack_kv(
+    gpu: &Gpu,
+    kv: P,
+    kvs: usize,
+    kpe: P,
+    kps: usize,
+    kb: P,
+    vb: P,
+    tk: usize,
+    k0: usize,
+    rows: usize,
+    h: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+) -> Result<()> {
+    if k0 + rows > tk {
+        bail!("mla_pack_kv: keys {k0}..{} of {tk}", k0 + rows);
+    }
+    let kb = kb + (k0 * (dn + dr) * 2) as u64;
+    let vb = if vb == 0 { 0 } else { vb + (k0 * dv * 2) as u64 };
     let f = gpu.func("mla_attn", &mla_defines(dn + dr, dv), "mla_pack_kv")?;
-    let mut a = KArgs::new()
-        .arg(kv)
-        .arg(kvs as i64)
-        .arg(kpe)
-        .arg(kps as i64)
-        .arg(kb)
-        .arg(vb)
-        .arg(tk as i32)
-        .arg(h as i32)
-        .arg(dn as i32)
-        .arg(dr as i32)
-        .arg(dv as i32);
-    gpu.launch(f, (tk as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_kv")
+    let mut a =
+        KArgs::new().arg(kv).arg(kvs as i64).arg(kpe).arg(kps as i64).arg(kb).arg(vb).arg(tk as i32).arg(h as i32).arg(dn as i32).arg(dr as i32).arg(dv as i32);
+    gpu.launch(f, (rows as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_kv")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usize, pos0: usize, h: usize, dqk: usize, dv: usize, scale: f32) -> Result<()> {
     let f = gpu.func("mla_attn", &mla_defines(dqk, dv), "mla_attn_bf16")?;
     let smem = (2 * 64 * ((dqk + 8) + (dv + 8)) * 2) as u32;
@@ -516,9 +471,10 @@ pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usiz
 
 /// Which BF16 MLA attention kernel runs. `Auto`: the wgmma kernel (default configuration) where it
 /// applies (sm_90, v width 128, q/k width a multiple of 64), else the mma.sync one.
-/// `K3_MLA_KERNEL=mma|wgmma|wgmma:<entry point>|auto` sets the backend's choice (diagnostic).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `--mla-kernel mma|wgmma|wgmma:<entry point>|auto` sets the backend's choice (diagnostic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum MlaKernel {
+    #[default]
     Auto,
     /// `mla_attn_bf16` (mma.sync m16n8k16): every architecture.
     MmaSync,
@@ -526,22 +482,37 @@ pub enum MlaKernel {
     Wgmma(Sm90Variant),
 }
 
-impl MlaKernel {
-    pub fn from_env() -> Result<MlaKernel> {
-        match std::env::var("K3_MLA_KERNEL").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(MlaKernel::Auto),
-            Ok("mma") => Ok(MlaKernel::MmaSync),
-            Ok("wgmma") => Ok(MlaKernel::Wgmma(MLA_SM90_VARIANTS[0])),
-            Ok(other) => match other.strip_prefix("wgmma:").and_then(|n| MLA_SM90_VARIANTS.iter().find(|v| v.name == n)) {
+impl std::str::FromStr for MlaKernel {
+    type Err = anyhow::Error;
+    /// `auto`, `mma`, `wgmma` (the default configuration) or `wgmma:<entry point>` of one of
+    /// [`MLA_SM90_VARIANTS`].
+    fn from_str(s: &str) -> Result<MlaKernel> {
+        match s {
+            "auto" => Ok(MlaKernel::Auto),
+            "mma" => Ok(MlaKernel::MmaSync),
+            "wgmma" => Ok(MlaKernel::Wgmma(MLA_SM90_VARIANTS[0])),
+            other => match other.strip_prefix("wgmma:").and_then(|n| MLA_SM90_VARIANTS.iter().find(|v| v.name == n)) {
                 Some(v) => Ok(MlaKernel::Wgmma(*v)),
                 None => bail!(
-                    "K3_MLA_KERNEL={other:?}: expected mma, wgmma, auto or wgmma:<{}>",
+                    "unknown MLA kernel {other:?} (auto, mma, wgmma or wgmma:<{}>)",
                     MLA_SM90_VARIANTS.iter().map(|v| v.name).collect::<Vec<_>>().join("|")
                 ),
             },
         }
     }
+}
 
+impl std::fmt::Display for MlaKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MlaKernel::Auto => f.write_str("auto"),
+            MlaKernel::MmaSync => f.write_str("mma"),
+            MlaKernel::Wgmma(v) => write!(f, "wgmma:{}", v.name),
+        }
+    }
+}
+
+impl MlaKernel {
     /// The kernel that runs for these widths on `gpu` (`Wgmma` asked where it does not apply is an error).
     pub fn resolve(self, gpu: &Gpu, dqk: usize, dv: usize) -> Result<MlaKernel> {
         let wg = mla_sm90_supported(gpu, dqk, dv);
@@ -585,11 +556,7 @@ impl Sm90Variant {
 
 /// Whether `mla_attn_sm90` (every configuration) runs for these widths on `gpu`.
 pub fn mla_sm90_supported(gpu: &Gpu, dqk: usize, dv: usize) -> bool {
-    gpu.cc == (9, 0)
-        && dv == 128
-        && dqk.is_multiple_of(64)
-        && dqk > 0
-        && MLA_SM90_VARIANTS.iter().all(|v| v.smem(dqk, dv) <= gpu.smem_optin.max(0) as usize)
+    gpu.cc == (9, 0) && dv == 128 && dqk.is_multiple_of(64) && dqk > 0 && MLA_SM90_VARIANTS.iter().all(|v| v.smem(dqk, dv) <= gpu.smem_optin.max(0) as usize)
 }
 
 /// Row stride of the packed V^T of `tk` keys for `mla_attn_sm90` (whole key tiles, zero padded).
@@ -597,20 +564,27 @@ pub fn mla_vt_ld(tk: usize) -> usize {
     tk.div_ceil(128).max(1) * 128
 }
 
-/// `Vt[h][d][s]` (bf16, row stride `ld`, a multiple of 64, zeros past `tk`) from the v part of `kv`.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_pack_vt(gpu: &Gpu, kv: P, kvs: usize, vt: P, ld: usize, tk: usize, h: usize, dn: usize, dv: usize) -> Result<()> {
+/// Keys `k0 .. k0 + rows` of `Vt[h][d][s]` (bf16, row stride `ld`, a multiple of 64, zeros past
+/// `tk`) from the v part of `kv` rows `0 .. rows` (the caller passes them at key `k0`). `k0` is a
+/// multiple of 64, and so is `rows` unless the block is the last (`k0 + rows == tk`: the
+/// padding columns up to `ld` are zeroed with it).
+pub fn mla_pack_vt(gpu: &Gpu, kv: P, kvs: usize, vt: P, ld: usize, tk: usize, k0: usize, rows: usize, h: usize, dn: usize, dv: usize) -> Result<()> {
     if !ld.is_multiple_of(64) || ld < tk {
         bail!("mla_pack_vt: row stride {ld} must be a multiple of 64 and at least the {tk} keys");
     }
+    let last = k0 + rows == tk;
+    if !k0.is_multiple_of(64) || k0 + rows > tk || (!last && !rows.is_multiple_of(64)) {
+        bail!("mla_pack_vt: key block {k0}..{} of {tk} (blocks start at multiples of 64; only the last may be partial)", k0 + rows);
+    }
+    let tiles = if last { (ld - k0) / 64 } else { rows / 64 };
     let f = gpu.func("mla_attn", &mla_defines(dn + 64, dv), "mla_pack_vt")?;
-    let mut a = KArgs::new().arg(kv).arg(kvs as i64).arg(vt).arg(ld as i64).arg(tk as i32).arg(h as i32).arg(dn as i32);
-    gpu.launch(f, ((ld / 64) as u32, h as u32, 1), (256, 1, 1), 0, &mut a, "mla_pack_vt")
+    let vt = vt + (k0 * 2) as u64;
+    let mut a = KArgs::new().arg(kv).arg(kvs as i64).arg(vt).arg(ld as i64).arg(rows as i32).arg(h as i32).arg(dn as i32);
+    gpu.launch(f, (tiles as u32, h as u32, 1), (256, 1, 1), 0, &mut a, "mla_pack_vt")
 }
 
 /// The wgmma flash attention (sm_90) in configuration `var`: Qb/Kb as for `mla_attn_bf16`, V
 /// transposed (`mla_pack_vt`).
-#[allow(clippy::too_many_arguments)]
 pub fn mla_attn_sm90(
     gpu: &Gpu,
     var: Sm90Variant,
@@ -632,17 +606,7 @@ pub fn mla_attn_sm90(
     }
     let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), var.name)?;
     let smem = var.smem(dqk, dv) as u32;
-    let mut a = KArgs::new()
-        .arg(qb)
-        .arg(kb)
-        .arg(vt)
-        .arg(vt_ld as i64)
-        .arg(out)
-        .arg(os as i64)
-        .arg(tq as i32)
-        .arg(pos0 as i32)
-        .arg(h as i32)
-        .arg(scale);
+    let mut a = KArgs::new().arg(qb).arg(kb).arg(vt).arg(vt_ld as i64).arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(scale);
     let rows = 64 * var.warpgroups;
     gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), ((128 * var.warpgroups) as u32, 1, 1), smem, &mut a, var.name)
 }
@@ -659,12 +623,34 @@ pub struct MlaPacked {
     pub pos0: usize,
     pub h: usize,
     pub dqk: usize,
+    /// The no-rope part of `dqk`.
+    pub dn: usize,
     pub dv: usize,
 }
 
-/// Packs the operands `m` for `kernel` (resolved on `gpu`).
+/// Packs the operands `m` for `kernel` (resolved on `gpu`): the queries and every key.
 pub fn mla_pack(gpu: &Arc<Gpu>, kernel: MlaKernel, m: &MlaOperands) -> Result<MlaPacked> {
     let &MlaOperands { q, qs, kv, kvs, kpe, kps, tq, pos0, h, dn, dr, dv } = m;
+    let p = mla_pack_queries(gpu, kernel, q, qs, tq, pos0, h, dn, dr, dv)?;
+    mla_pack_keys(gpu, &p, kv, kvs, kpe, kps, 0, pos0 + tq)?;
+    Ok(p)
+}
+
+/// Packs the queries for `kernel` (resolved on `gpu`) and allocates the K/V operands of all
+/// `pos0 + tq` keys, to be filled block by block with [`mla_pack_keys`] (so the f32 expansion
+/// of the keys never has to exist for all of them at once).
+pub fn mla_pack_queries(
+    gpu: &Arc<Gpu>,
+    kernel: MlaKernel,
+    q: P,
+    qs: usize,
+    tq: usize,
+    pos0: usize,
+    h: usize,
+    dn: usize,
+    dr: usize,
+    dv: usize,
+) -> Result<MlaPacked> {
     let (dqk, tk) = (dn + dr, pos0 + tq);
     let kernel = kernel.resolve(gpu, dqk, dv)?;
     let qb = gpu.alloc(tq * h * dqk * 2)?;
@@ -672,16 +658,24 @@ pub fn mla_pack(gpu: &Arc<Gpu>, kernel: MlaKernel, m: &MlaOperands) -> Result<Ml
     mla_pack_q(gpu, q, qs, qb.ptr, tq, h, dqk, dv)?;
     let (v, vt_ld) = if matches!(kernel, MlaKernel::Wgmma(_)) {
         let ld = mla_vt_ld(tk);
-        let vt = gpu.alloc(h * dv * ld * 2)?;
-        mla_pack_kv(gpu, kv, kvs, kpe, kps, kb.ptr, 0, tk, h, dn, dr, dv)?; // K only
-        mla_pack_vt(gpu, kv, kvs, vt.ptr, ld, tk, h, dn, dv)?;
-        (vt, ld)
+        (gpu.alloc(h * dv * ld * 2)?, ld)
     } else {
-        let vb = gpu.alloc(tk * h * dv * 2)?;
-        mla_pack_kv(gpu, kv, kvs, kpe, kps, kb.ptr, vb.ptr, tk, h, dn, dr, dv)?;
-        (vb, 0)
+        (gpu.alloc(tk * h * dv * 2)?, 0)
     };
-    Ok(MlaPacked { kernel, qb, kb, v, vt_ld, tq, pos0, h, dqk, dv })
+    Ok(MlaPacked { kernel, qb, kb, v, vt_ld, tq, pos0, h, dqk, dn, dv })
+}
+
+/// Packs keys `k0 .. k0 + rows` of `p` from their f32 expansion `kv` (`[rows, h·(dn+dv)]`, row
+/// stride `kvs`) and rope parts `kpe` (row stride `kps`), both given at key `k0`. Blocks start at
+/// multiples of 64 keys, and only the last may be partial.
+pub fn mla_pack_keys(gpu: &Gpu, p: &MlaPacked, kv: P, kvs: usize, kpe: P, kps: usize, k0: usize, rows: usize) -> Result<()> {
+    let (tk, dr) = (p.pos0 + p.tq, p.dqk - p.dn);
+    if matches!(p.kernel, MlaKernel::Wgmma(_)) {
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, 0, tk, k0, rows, p.h, p.dn, dr, p.dv)?; // K only
+        mla_pack_vt(gpu, kv, kvs, p.v.ptr, p.vt_ld, tk, k0, rows, p.h, p.dn, p.dv)
+    } else {
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, p.v.ptr, tk, k0, rows, p.h, p.dn, dr, p.dv)
+    }
 }
 
 /// Runs the packed attention into `out` (`[tq][h*dv]` f32, row stride `os`).
@@ -699,14 +693,12 @@ pub fn moe_count(gpu: &Gpu, idx: P, n: usize, counts: P) -> Result<()> {
     gpu.launch(f, grid1(gpu, n), (256, 1, 1), 0, &mut KArgs::new().arg(idx).arg(n as i32).arg(counts), "moe_count")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_offsets(gpu: &Gpu, counts: P, e: usize, bm: usize, offsets: P, cursor: P, tile_expert: P, tile_row0: P, tile_count: P) -> Result<()> {
     let f = gpu.func("moe_route", &[], "moe_offsets")?;
     let mut a = KArgs::new().arg(counts).arg(e as i32).arg(bm as i32).arg(offsets).arg(cursor).arg(tile_expert).arg(tile_row0).arg(tile_count);
     gpu.launch(f, (1, 1, 1), (32, 1, 1), 0, &mut a, "moe_offsets")
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_scatter(gpu: &Gpu, idx: P, n: usize, k: usize, offsets: P, cursor: P, slot_pos: P, row_token: P) -> Result<()> {
     let f = gpu.func("moe_route", &[], "moe_scatter")?;
     let mut a = KArgs::new().arg(idx).arg(n as i32).arg(k as i32).arg(offsets).arg(cursor).arg(slot_pos).arg(row_token);
@@ -720,7 +712,6 @@ pub fn moe_gather(gpu: &Gpu, bf16: bool, x: P, row_token: P, rows: usize, k: usi
     gpu.launch(f, (blocks(rows, 1)?, 1, 1), (256, 1, 1), 0, &mut a, name)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn moe_combine(gpu: &Gpu, yg: P, slot_pos: P, w: P, t: usize, k: usize, n: usize, out: P) -> Result<()> {
     let f = gpu.func("moe_route", &[], "moe_combine")?;
     let mut a = KArgs::new().arg(yg).arg(slot_pos).arg(w).arg(t as i32).arg(k as i32).arg(n as i32).arg(out);
@@ -733,7 +724,6 @@ pub const BF16_BM: usize = 128;
 
 /// Grouped expert GEMM launch: rows grouped by expert through the tile table (`max_tiles` upper
 /// bound on its length), experts `e_lo..e_hi` at `wbase + (e - e_lo) * estride`.
-#[allow(clippy::too_many_arguments)]
 pub fn expert_gemm(
     gpu: &Gpu,
     variant: &str,
@@ -758,7 +748,7 @@ pub fn expert_gemm(
     b1: f32,
     b2: f32,
 ) -> Result<()> {
-    if k % 32 != 0 {
+    if !k.is_multiple_of(32) {
         bail!("expert GEMM: inner width {k} is not a multiple of 32 (MXFP4 group)");
     }
     if max_tiles > 65535 {
@@ -800,7 +790,6 @@ pub fn expert_gemm(
 /// Exact BF16 copy of one MXFP4 matrix (`rows` x `k`, at `m` in each slot) of `n_experts`
 /// consecutive arena slots from `s0`, to `dst + j * dst_estride` elements for slot `s0 + j`.
 /// `offsets` (device, absolute expert ids from `e0`) skips experts without rows; 0 = none.
-#[allow(clippy::too_many_arguments)]
 pub fn expert_dequant_bf16(
     gpu: &Gpu,
     stream: CUstream,
@@ -816,7 +805,7 @@ pub fn expert_dequant_bf16(
     dst: P,
     dst_estride: usize,
 ) -> Result<()> {
-    if k % 32 != 0 || m.packed % 16 != 0 || estride % 16 != 0 || dst_estride % 8 != 0 {
+    if !k.is_multiple_of(32) || !m.packed.is_multiple_of(16) || !estride.is_multiple_of(16) || !dst_estride.is_multiple_of(8) {
         bail!("expert dequant: width {k}, packed offset {}, strides {estride}/{dst_estride} are not aligned", m.packed);
     }
     let words = rows * k / 8;
@@ -837,9 +826,8 @@ pub fn expert_dequant_bf16(
 }
 
 /// `h[rows, n]` (bf16) = SiTU-GLU of `gu[rows, 2n]` (f32, gate | up).
-#[allow(clippy::too_many_arguments)]
 pub fn expert_situ_bf16(gpu: &Gpu, stream: CUstream, gu: P, rows: usize, n: usize, h: P, b1: f32, b2: f32) -> Result<()> {
-    if n % 4 != 0 {
+    if !n.is_multiple_of(4) {
         bail!("expert SiTU: width {n} is not a multiple of 4");
     }
     let f = gpu.func("moe_gemm", &[], "expert_situ_bf16")?;

@@ -16,7 +16,7 @@ pub mod moe_plan;
 pub mod nvrtc;
 pub mod profile;
 
-pub use backend::{Bf16Parts, CudaBackend, Precision, SPLIT_GEMM_MIN_ROWS};
+pub use backend::{Bf16Parts, CudaBackend, CudaOptions, MoeKernel, Precision, SPLIT_GEMM_MIN_ROWS};
 pub use gpu::{DevMem, Gpu, PinnedBuf};
 
 /// Why no CUDA device can be used.

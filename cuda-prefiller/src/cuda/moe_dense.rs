@@ -49,7 +49,7 @@ impl std::str::FromStr for MoePath {
 }
 
 /// Sizes of the dense path.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeDenseCfg {
     /// [`MoePath::Auto`] takes the dense path from this many routed rows per expert (average).
     pub min_rows: usize,
@@ -59,17 +59,25 @@ pub struct MoeDenseCfg {
     pub slice_rows: usize,
     /// Worker streams (each with its own cuBLAS handle).
     pub streams: usize,
+    /// Each expert piece's GEMMs run over its rows rounded up to a multiple of this (1: exact;
+    /// at most [`MAX_ROW_GRAIN`]), so that an unevenly routed layer's GEMMs come in a few shapes
+    /// whose cuBLAS heuristics are cached instead of one new shape per expert; the extra rows
+    /// are computed into scratch and dropped.
+    pub row_grain: usize,
 }
+
+/// Largest [`MoeDenseCfg::row_grain`] (the grouped inputs of a plan keep this many spare rows).
+pub const MAX_ROW_GRAIN: usize = 128;
 
 impl Default for MoeDenseCfg {
     fn default() -> Self {
-        MoeDenseCfg { min_rows: DENSE_MIN_ROWS, weight_bytes: 1 << 30, slice_rows: 8192, streams: 4 }
+        MoeDenseCfg { min_rows: DENSE_MIN_ROWS, weight_bytes: 1 << 30, slice_rows: 8192, streams: 4, row_grain: 1 }
     }
 }
 
 impl MoeDenseCfg {
-    /// Overrides from `streams=4,group_mib=1024,slice=8192,min_rows=128` (any subset; the
-    /// environment variable `K3_MOE_DENSE` of the backend and `bench --moe-dense-configs`).
+    /// Overrides from `streams=4,group_mib=1024,slice=8192,min_rows=128,row_grain=1` (any subset; the
+    /// backend's `--moe-dense` and `bench --moe-dense-configs`).
     pub fn parse(s: &str, base: MoeDenseCfg) -> Result<Self> {
         let mut c = base;
         for kv in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
@@ -81,10 +89,37 @@ impl MoeDenseCfg {
                 "group_mib" => c.weight_bytes = v << 20,
                 "slice" => c.slice_rows = v,
                 "min_rows" => c.min_rows = v,
-                _ => return Err(anyhow!("unknown dense expert setting {k:?} (streams, group_mib, slice, min_rows)")),
+                "row_grain" => {
+                    ensure!(v <= MAX_ROW_GRAIN, "dense expert setting {kv:?}: at most {MAX_ROW_GRAIN}");
+                    c.row_grain = v
+                }
+                _ => return Err(anyhow!("unknown dense expert setting {k:?} (streams, group_mib, slice, min_rows, row_grain)")),
             }
         }
         Ok(c)
+    }
+}
+
+impl std::str::FromStr for MoeDenseCfg {
+    type Err = anyhow::Error;
+    /// [`MoeDenseCfg::parse`] over the defaults.
+    fn from_str(s: &str) -> Result<Self> {
+        MoeDenseCfg::parse(s, MoeDenseCfg::default())
+    }
+}
+
+impl std::fmt::Display for MoeDenseCfg {
+    /// In the form [`MoeDenseCfg::parse`] reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "streams={},group_mib={},slice={},min_rows={},row_grain={}",
+            self.streams,
+            self.weight_bytes >> 20,
+            self.slice_rows,
+            self.min_rows,
+            self.row_grain
+        )
     }
 }
 
@@ -145,8 +180,17 @@ pub fn bf16_elems(layout: &ExpertLayout) -> usize {
 /// Dequantises experts `s0..s0+n` of an arena (slot 0 at `wbase`) into `dst` (one
 /// [`bf16_elems`] block per expert) on `stream`; `offsets` (device, or 0) skips experts without
 /// rows, `e0` is the absolute id of slot `s0`.
-#[allow(clippy::too_many_arguments)]
-pub fn dequant(gpu: &Gpu, stream: CUstream, layout: &ExpertLayout, wbase: CUdeviceptr, s0: usize, n: usize, offsets: CUdeviceptr, e0: usize, dst: CUdeviceptr) -> Result<()> {
+pub fn dequant(
+    gpu: &Gpu,
+    stream: CUstream,
+    layout: &ExpertLayout,
+    wbase: CUdeviceptr,
+    s0: usize,
+    n: usize,
+    offsets: CUdeviceptr,
+    e0: usize,
+    dst: CUdeviceptr,
+) -> Result<()> {
     let (i, l) = (layout.inter, layout.latent);
     let per = bf16_elems(layout);
     for (m, rows, kk, at) in [(layout.w1, i, l, 0), (layout.w3, i, l, i * l), (layout.w2, l, i, 2 * i * l)] {
@@ -157,15 +201,35 @@ pub fn dequant(gpu: &Gpu, stream: CUstream, layout: &ExpertLayout, wbase: CUdevi
 
 /// Both expert GEMMs of experts `e_lo..e_hi` (slot 0 at `wbase` = expert `e_lo`) on the dense
 /// path, ordered after earlier work of `stream` and before later work of it.
-#[allow(clippy::too_many_arguments)]
-pub fn run(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plan: &MoePlan, layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+pub fn run(
+    g: &Arc<Gpu>,
+    cfg: MoeDenseCfg,
+    workers: &Workers,
+    plan: &MoePlan,
+    layout: &ExpertLayout,
+    wbase: CUdeviceptr,
+    e_lo: usize,
+    e_hi: usize,
+    betas: SituBetas,
+    stream: Option<CUstream>,
+) -> Result<()> {
     run_many(g, cfg, workers, &[plan], layout, wbase, e_lo, e_hi, betas, stream)
 }
 
 /// [`run`] for several plans over the same experts (the token chunks of one layer): each expert
 /// group is dequantised once and multiplied with the rows of every plan.
-#[allow(clippy::too_many_arguments)]
-pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&MoePlan], layout: &ExpertLayout, wbase: CUdeviceptr, e_lo: usize, e_hi: usize, betas: SituBetas, stream: Option<CUstream>) -> Result<()> {
+pub fn run_many(
+    g: &Arc<Gpu>,
+    cfg: MoeDenseCfg,
+    workers: &Workers,
+    plans: &[&MoePlan],
+    layout: &ExpertLayout,
+    wbase: CUdeviceptr,
+    e_lo: usize,
+    e_hi: usize,
+    betas: SituBetas,
+    stream: Option<CUstream>,
+) -> Result<()> {
     let mut offs = Vec::with_capacity(plans.len());
     for p in plans {
         let o = p.host_offsets.as_ref().ok_or_else(|| anyhow!("dense expert path: the plan holds no host copy of the expert offsets"))?;
@@ -176,6 +240,7 @@ pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&Moe
     if (0..plans.len()).all(|pi| (e_lo..e_hi).all(|e| rows_of(pi, e) == 0)) {
         return Ok(());
     }
+    let t_host = std::time::Instant::now();
     let nw = workers.len();
     let s = stream.unwrap_or(g.stream());
     let (inter, lat) = (layout.inter, layout.latent);
@@ -230,10 +295,21 @@ pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&Moe
         }
     }
     // scratch, stream-ordered on the compute stream (freed there after the join below)
-    let wmax = wins.iter().map(|w| w.rows).max().unwrap_or(1);
+    let grain = cfg.row_grain.clamp(1, MAX_ROW_GRAIN);
+    if grain > 1 {
+        for p in plans {
+            ensure!(p.xg.bytes >= (p.t * p.k + grain - 1) * lat * 2, "dense expert path: the plan's grouped inputs keep no spare rows for row_grain {grain}");
+        }
+    }
+    // rows a GEMM of an `n`-row piece runs over
+    let padded = |n: usize| n.div_ceil(grain) * grain;
+    let wmax = wins.iter().map(|w| w.rows).max().unwrap_or(1) + grain - 1;
     let wbuf: Vec<DevMem> = (0..groups.len().min(2)).map(|_| g.alloc(gsize * per * 2)).collect::<Result<_>>()?;
     let gu: Vec<DevMem> = (0..nw).map(|_| g.alloc(wmax * 2 * inter * 4)).collect::<Result<_>>()?;
     let hs: Vec<DevMem> = (0..nw).map(|_| g.alloc(wmax * inter * 2)).collect::<Result<_>>()?;
+    // with padded pieces the down projection lands in a window scratch first (the spare rows of a
+    // window's last piece would overwrite the next window's rows), then the window's rows are copied
+    let ys: Vec<DevMem> = if grain > 1 { (0..nw).map(|_| g.alloc(wmax * lat * 4)).collect::<Result<_>>()? } else { Vec::new() };
     if s != g.stream() {
         let e = g.event()?;
         e.record(g.stream())?;
@@ -259,14 +335,38 @@ pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&Moe
             let win = &wins[wi];
             let plan = plans[win.pi];
             let (ws, blas) = (workers.streams[win.w], &workers.blas[win.w]);
+            // (pieces in row order on one stream: a piece's spare rows are overwritten by the next piece)
             for &(e, row, n) in &probs[win.probs.clone()] {
                 let wgu = buf.ptr + ((e - a) * per * 2) as u64;
-                blas.gemm(GemmType::Bf16, plan.xg.ptr + (row * lat * 2) as u64, lat, wgu, gu[win.w].ptr + ((row - win.r0) * 2 * inter * 4) as u64, 2 * inter, n, 2 * inter, lat)?;
+                blas.gemm(
+                    GemmType::Bf16,
+                    plan.xg.ptr + (row * lat * 2) as u64,
+                    lat,
+                    wgu,
+                    gu[win.w].ptr + ((row - win.r0) * 2 * inter * 4) as u64,
+                    2 * inter,
+                    padded(n),
+                    2 * inter,
+                    lat,
+                )?;
             }
             k::expert_situ_bf16(g, ws, gu[win.w].ptr, win.rows, inter, hs[win.w].ptr, betas.beta, b2)?;
             for &(e, row, n) in &probs[win.probs.clone()] {
                 let wd = buf.ptr + ((e - a) * per * 2 + 2 * inter * lat * 2) as u64;
-                blas.gemm(GemmType::Bf16, hs[win.w].ptr + ((row - win.r0) * inter * 2) as u64, inter, wd, plan.yg.ptr + (row * lat * 4) as u64, lat, n, lat, inter)?;
+                let y = match ys.get(win.w) {
+                    Some(ys) => ys.ptr + ((row - win.r0) * lat * 4) as u64,
+                    None => plan.yg.ptr + (row * lat * 4) as u64,
+                };
+                blas.gemm(GemmType::Bf16, hs[win.w].ptr + ((row - win.r0) * inter * 2) as u64, inter, wd, y, lat, padded(n), lat, inter)?;
+            }
+            if let Some(ys) = ys.get(win.w) {
+                // SAFETY: both ranges lie inside their allocations (window rows of yg, scratch of wmax rows).
+                unsafe {
+                    ck(
+                        sys::cuMemcpyDtoDAsync_v2(plan.yg.ptr + (win.r0 * lat * 4) as u64, ys.ptr, win.rows * lat * 4, ws),
+                        "dense expert path: copying a window's outputs",
+                    )?
+                };
             }
             wi += 1;
         }
@@ -292,6 +392,15 @@ pub fn run_many(g: &Arc<Gpu>, cfg: MoeDenseCfg, workers: &Workers, plans: &[&Moe
         e.record(s)?;
         e.wait_on(g.stream())?;
     }
-    drop((wbuf, gu, hs));
+    drop((wbuf, gu, hs, ys));
+    if g.profile {
+        tracing::info!(
+            groups = groups.len(),
+            windows = wins.len(),
+            gemms = 2 * probs.len(),
+            host_ms = t_host.elapsed().as_secs_f64() * 1e3,
+            "dense expert path enqueued (--profile)"
+        );
+    }
     Ok(())
 }

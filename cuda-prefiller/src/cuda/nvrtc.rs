@@ -44,11 +44,7 @@ pub fn module_arch(module: &str, arch: &str) -> Option<String> {
 
 /// The full translation unit NVRTC compiles for `module`.
 pub fn full_source(module: &str, defines: &[String]) -> Result<String> {
-    let src = SOURCES
-        .iter()
-        .find(|(n, _)| *n == module)
-        .map(|(_, s)| *s)
-        .ok_or_else(|| anyhow!("no kernel module kernels/{module}.cu"))?;
+    let src = SOURCES.iter().find(|(n, _)| *n == module).map(|(_, s)| *s).ok_or_else(|| anyhow!("no kernel module kernels/{module}.cu"))?;
     let mut s = String::new();
     for d in defines {
         let (k, v) = d.split_once('=').unwrap_or((d.as_str(), "1"));

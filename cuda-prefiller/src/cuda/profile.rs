@@ -1,4 +1,4 @@
-//! Where a prefill's GPU time goes: with `K3_PROFILE=1`, every op of the CUDA backend calls
+//! Where a prefill's GPU time goes: with `--profile` ([`Gpu::profile`]), every op of the CUDA backend calls
 //! [`begin`] with its step name, which records an event on the compute stream; [`report`] sums
 //! the time between consecutive events by step name (the GPU time of the kernels issued in that
 //! step, the compute stream being in order; a GPU left idle by the host is charged to the step
@@ -12,7 +12,7 @@ use std::sync::{Mutex, OnceLock};
 use anyhow::Result;
 
 use super::gpu::{Event, Gpu};
-use super::host_wait::{self, enabled};
+use super::host_wait;
 
 /// (step that ended at this event, event)
 fn marks() -> &'static Mutex<Vec<(&'static str, Event)>> {
@@ -21,9 +21,9 @@ fn marks() -> &'static Mutex<Vec<(&'static str, Event)>> {
 }
 
 /// Records the start of step `name` on the compute stream, ending the step begun before (a
-/// no-op unless [`enabled`]); `"-"` ends the step before without starting one.
+/// no-op unless [`Gpu::profile`]); `"-"` ends the step before without starting one.
 pub fn begin(g: &Gpu, name: &'static str) -> Result<()> {
-    if !enabled() {
+    if !g.profile {
         return Ok(());
     }
     let e = g.event()?;
@@ -43,7 +43,7 @@ pub fn reset() {
 }
 
 /// Milliseconds per step name since the last [`reset`] (waits for the marks to complete), largest
-/// first; empty unless [`enabled`].
+/// first; empty unless profiling.
 pub fn report() -> Result<Vec<(&'static str, f64)>> {
     let m = std::mem::take(&mut *marks().lock().unwrap_or_else(|e| e.into_inner()));
     let mut sums: std::collections::BTreeMap<&'static str, f64> = Default::default();

@@ -9,7 +9,7 @@ use super::weights::KdaWeights;
 #[cfg(feature = "test-knobs")]
 use super::weights::PlantedGate;
 use super::ModelDims;
-use crate::backend::{Backend, KdaInputs};
+use crate::backend::{Backend, KdaInputs, PendingDownload};
 
 /// Which form of the delta-rule recurrence to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +41,16 @@ impl<B: Backend> KdaStateBufs<B> {
         })
     }
 
+    /// Starts the download into the canonical hand-off layout ([`PendingKdaState::wait`] takes
+    /// it), without waiting for the device.
+    pub fn download_later(self, b: &B, d: &ModelDims) -> anyhow::Result<PendingKdaState> {
+        Ok(PendingKdaState {
+            heads: d.kda.heads,
+            head_dim: d.kda.head_dim,
+            parts: [b.download_later(self.state)?, b.download_later(self.conv_q)?, b.download_later(self.conv_k)?, b.download_later(self.conv_v)?],
+        })
+    }
+
     /// Downloads into the canonical hand-off layout.
     pub fn download(&self, b: &B, d: &ModelDims) -> anyhow::Result<KdaState> {
         Ok(KdaState {
@@ -54,15 +64,23 @@ impl<B: Backend> KdaStateBufs<B> {
     }
 }
 
+/// A KDA layer's state on its way to the host ([`KdaStateBufs::download_later`]).
+pub struct PendingKdaState {
+    heads: usize,
+    head_dim: usize,
+    /// Recurrent state, conv windows q, k, v.
+    parts: [Box<dyn PendingDownload>; 4],
+}
+
+impl PendingKdaState {
+    pub fn wait(self) -> anyhow::Result<KdaState> {
+        let [s, q, k, v] = self.parts;
+        Ok(KdaState { heads: self.heads, head_dim: self.head_dim, recurrent: s.wait()?, conv_q: q.wait()?, conv_k: k.wait()?, conv_v: v.wait()? })
+    }
+}
+
 /// The KDA block on normed input `x [rows, H]` → `[rows, H]`, advancing `cache`.
-pub fn kda_forward<B: Backend>(
-    b: &B,
-    w: &KdaWeights<B>,
-    x: &B::Buf,
-    cache: &mut KdaStateBufs<B>,
-    d: &ModelDims,
-    form: KdaForm,
-) -> anyhow::Result<B::Buf> {
+pub fn kda_forward<B: Backend>(b: &B, w: &KdaWeights<B>, x: &B::Buf, cache: &mut KdaStateBufs<B>, d: &ModelDims, form: KdaForm) -> anyhow::Result<B::Buf> {
     let dk = d.kda;
     // 1–2. projections, short causal conv + SiLU (windows hold pre-conv inputs); 4. for q and k
     // the L2 norm per head in the same op (q scaled by D^-1/2).

@@ -4,6 +4,7 @@
 //! blocks lives in [`crate::executor`].
 
 pub mod ffn;
+pub mod flops;
 pub mod kda;
 pub mod mla;
 pub mod weights;
@@ -48,13 +49,7 @@ impl ModelDims {
             kda: KdaDims { heads: la.num_heads, head_dim: la.head_dim },
             conv_kernel: la.short_conv_kernel_size,
             gate_lower_bound: la.gate_lower_bound,
-            mla: MlaDims {
-                heads: c.num_attention_heads,
-                nope: c.qk_nope_head_dim,
-                rope: c.qk_rope_head_dim,
-                v: c.v_head_dim,
-                kv_lora: c.kv_lora_rank,
-            },
+            mla: MlaDims { heads: c.num_attention_heads, nope: c.qk_nope_head_dim, rope: c.qk_rope_head_dim, v: c.v_head_dim, kv_lora: c.kv_lora_rank },
             situ: SituBetas { beta: c.activation_situ_beta, linear_beta: c.activation_situ_linear_beta },
             top_k: c.num_experts_per_token,
             renormalize: c.moe_renormalize,
@@ -230,12 +225,8 @@ impl<B: Backend> Model<B> {
             }
             let bytes = &v.bytes[id * h * es..(id + 1) * h * es];
             match v.dtype {
-                k3_protocol::tensors::DType::BF16 => out.extend(
-                    bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
-                ),
-                k3_protocol::tensors::DType::F32 => {
-                    out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-                }
+                k3_protocol::tensors::DType::BF16 => out.extend(bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))),
+                k3_protocol::tensors::DType::F32 => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
                 k3_protocol::tensors::DType::U8 => bail!("tensor {name} is U8, expected BF16/F32"),
             }
         }

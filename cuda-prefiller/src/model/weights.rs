@@ -14,12 +14,7 @@ use crate::backend::{Backend, ExpertHostWeights, HostTensor};
 /// Loads one dense checkpoint tensor as a `[rows, cols]` backend weight, checking its size.
 pub fn load_dense<B: Backend>(b: &B, ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> anyhow::Result<B::Weight> {
     let v = ck.tensor(name)?;
-    ensure!(
-        v.numel() == rows * cols,
-        "tensor {name} in {}: shape {:?} does not hold [{rows}, {cols}]",
-        v.shard,
-        v.shape
-    );
+    ensure!(v.numel() == rows * cols, "tensor {name} in {}: shape {:?} does not hold [{rows}, {cols}]", v.shard, v.shape);
     let host = HostTensor { name: Cow::Borrowed(name), dtype: v.dtype, rows, cols, bytes: Cow::Borrowed(v.bytes) };
     b.load_dense(&host).with_context(|| format!("loading {name} from {}", v.shard))
 }
@@ -158,9 +153,7 @@ pub fn layer_dense_tensors(c: &TextConfig, spec: LayerSpec) -> Vec<DenseTensor> 
 
 /// The routed experts of one MoE layer in the checkpoint, as [`Backend::load_experts`] takes them.
 pub fn layer_experts<'a>(ck: &'a Checkpoint, c: &TextConfig, l: usize) -> anyhow::Result<Vec<ExpertHostWeights<'a>>> {
-    (0..c.experts_in_layer(l))
-        .map(|e| Ok(ExpertHostWeights { w1: ck.expert(l, e, "w1")?, w3: ck.expert(l, e, "w3")?, w2: ck.expert(l, e, "w2")? }))
-        .collect()
+    (0..c.experts_in_layer(l)).map(|e| Ok(ExpertHostWeights { w1: ck.expert(l, e, "w1")?, w3: ck.expert(l, e, "w3")?, w2: ck.expert(l, e, "w2")? })).collect()
 }
 
 impl<B: Backend> LayerWeights<B> {
@@ -200,26 +193,24 @@ impl<B: Backend> LayerWeights<B> {
         }
         let mut d = |s: &str| got.remove(&layer_tensor(l, s)).with_context(|| format!("layer {l}: tensor {} was not fetched", layer_tensor(l, s)));
         let attn = match spec.attn {
-            AttnKind::Kda => {
-                AttnWeights::Kda(KdaWeights {
-                    q_proj: d("self_attn.q_proj.weight")?,
-                    k_proj: d("self_attn.k_proj.weight")?,
-                    v_proj: d("self_attn.v_proj.weight")?,
-                    q_conv: d("self_attn.q_conv1d.weight")?,
-                    k_conv: d("self_attn.k_conv1d.weight")?,
-                    v_conv: d("self_attn.v_conv1d.weight")?,
-                    f_a: d("self_attn.f_a_proj.weight")?,
-                    f_b: d("self_attn.f_b_proj.weight")?,
-                    dt_bias: d("self_attn.dt_bias")?,
-                    a_log: d("self_attn.A_log")?,
-                    #[cfg(feature = "test-knobs")]
-                    planted_gate: None,
-                    b_proj: d("self_attn.b_proj.weight")?,
-                    g_proj: d("self_attn.g_proj.weight")?,
-                    o_norm: d("self_attn.o_norm.weight")?,
-                    o_proj: d("self_attn.o_proj.weight")?,
-                })
-            }
+            AttnKind::Kda => AttnWeights::Kda(KdaWeights {
+                q_proj: d("self_attn.q_proj.weight")?,
+                k_proj: d("self_attn.k_proj.weight")?,
+                v_proj: d("self_attn.v_proj.weight")?,
+                q_conv: d("self_attn.q_conv1d.weight")?,
+                k_conv: d("self_attn.k_conv1d.weight")?,
+                v_conv: d("self_attn.v_conv1d.weight")?,
+                f_a: d("self_attn.f_a_proj.weight")?,
+                f_b: d("self_attn.f_b_proj.weight")?,
+                dt_bias: d("self_attn.dt_bias")?,
+                a_log: d("self_attn.A_log")?,
+                #[cfg(feature = "test-knobs")]
+                planted_gate: None,
+                b_proj: d("self_attn.b_proj.weight")?,
+                g_proj: d("self_attn.g_proj.weight")?,
+                o_norm: d("self_attn.o_norm.weight")?,
+                o_proj: d("self_attn.o_proj.weight")?,
+            }),
             AttnKind::Mla => AttnWeights::Mla(MlaWeights {
                 q_a: d("self_attn.q_a_proj.weight")?,
                 q_a_norm: d("self_attn.q_a_layernorm.weight")?,
@@ -232,7 +223,9 @@ impl<B: Backend> LayerWeights<B> {
             }),
         };
         let ffn = match spec.ffn {
-            FfnKind::Dense => FfnWeights::Dense(MlpWeights { gate: d("mlp.gate_proj.weight")?, up: d("mlp.up_proj.weight")?, down: d("mlp.down_proj.weight")? }),
+            FfnKind::Dense => {
+                FfnWeights::Dense(MlpWeights { gate: d("mlp.gate_proj.weight")?, up: d("mlp.up_proj.weight")?, down: d("mlp.down_proj.weight")? })
+            }
             FfnKind::LatentMoe => FfnWeights::LatentMoe(MoeWeights {
                 router: d("block_sparse_moe.gate.weight")?,
                 router_bias: d("block_sparse_moe.gate.e_score_correction_bias")?,

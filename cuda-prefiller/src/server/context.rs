@@ -36,10 +36,10 @@ pub struct ServeOptions {
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
     /// Serve the metrics in the OpenMetrics text format at `GET /metrics` on this TCP address.
     pub metrics_listen: Option<SocketAddr>,
-    /// Test option: read the layers' weights as if from a source capped at this many bytes per
-    /// second (the CPU stand-in for a PC's NVMe; the node measures and advertises that pass).
-    #[doc(hidden)]
-    pub source_bytes_per_s: Option<f64>,
+    /// The emulated weight source (`--emulate-source-gbs`, [`crate::source_pace`]): every pass
+    /// reads the layers' weights no faster than its rate (a PC's NVMe measured on a faster box,
+    /// or on the CPU stand-in); the node measures and advertises that pass.
+    pub source: Option<crate::source_pace::SourceRate>,
     /// Called with the certificate of each decoder whose handshake succeeded (`serve` saves an
     /// explicitly given `--decoder-fingerprint` only once a decoder has proved it).
     pub on_verified: Option<OnVerified>,
@@ -47,6 +47,12 @@ pub struct ServeOptions {
     /// and states ([`crate::executor::pass_request_bytes`]) sum to at most this many bytes (the
     /// first always runs); 0: every request has a pass of its own.
     pub pass_budget_bytes: u64,
+    /// The node's memory plan ([`crate::prefiller::Planner`]): every pass is planned within the
+    /// node's device budget and host memory before it starts (its chunk, expert windows and the
+    /// bank's place); a request that cannot fit is refused with the plan's reason (the decoder
+    /// then prefills locally), and a waiting request joins a shared pass only if the pass still
+    /// fits. `None`: `chunk_tokens`, everything on the backend.
+    pub planner: Option<crate::prefiller::Planner>,
 }
 
 /// A callback on a verified decoder certificate (see [`ServeOptions::on_verified`]).
@@ -71,9 +77,10 @@ impl Default for ServeOptions {
             layer_delay: Duration::ZERO,
             streamed: None,
             metrics_listen: None,
-            source_bytes_per_s: None,
+            source: None,
             on_verified: None,
             pass_budget_bytes: 16 << 30,
+            planner: None,
         }
     }
 }

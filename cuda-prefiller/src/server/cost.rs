@@ -6,7 +6,8 @@
 //!   bytes each request read and the time the source took (`bytes / time`; 0 with resident
 //!   weights). Before the first streamed request: the estimate the node was started with.
 //! - **Compute**: a [`RateFit`] of compute seconds (weight and network waits excluded) against
-//!   new tokens and context, over the last [`SAMPLES`] requests.
+//!   new tokens and context, over the last [`SAMPLES`] requests; before the first one, the
+//!   prediction from start-up measurements ([`super::predict`], `samples` 0).
 //! - **Queue**: the predicted rest of the running weight pass plus the next one, which the
 //!   waiting requests share: `max(pass, Σ their compute)`.
 
@@ -51,6 +52,8 @@ pub struct CostMeter {
     pass_bytes: u64,
     /// Seconds per pass assumed until one is measured.
     planned_pass_s: f64,
+    /// The compute advertised until a request is measured (`samples` 0: a prediction).
+    predicted: RateFit,
     inner: Mutex<Inner>,
 }
 
@@ -62,10 +65,18 @@ impl CostMeter {
             board,
             pass_bytes,
             planned_pass_s,
+            predicted: RateFit::default(),
             inner: Mutex::new(Inner { samples: VecDeque::new(), rate: None, passes: 0, pending: Vec::new() }),
         };
         m.publish();
         m
+    }
+
+    /// Advertises `fit` as the compute until a request is measured ([`super::predict`]).
+    pub fn with_predicted(mut self, fit: RateFit) -> CostMeter {
+        self.predicted = RateFit { samples: 0, ..fit };
+        self.publish();
+        self
     }
 
     pub fn board(&self) -> &CostBoard {
@@ -121,7 +132,7 @@ impl CostMeter {
 
     fn publish(&self) {
         let g = self.lock();
-        let compute = RateFit::fit(&g.samples.iter().copied().collect::<Vec<_>>());
+        let compute = if g.samples.is_empty() { self.predicted } else { RateFit::fit(&g.samples.iter().copied().collect::<Vec<_>>()) };
         let pass_s = match g.rate {
             _ if self.pass_bytes == 0 => 0.0,
             Some(r) => self.pass_bytes as f64 / r,

@@ -249,104 +249,126 @@ pub fn openmetrics(c: &Counters, sessions: &StoreStats, last: Option<&RequestRec
     out
 }
 
-/// Time a client of the metrics endpoint has to send its request head; the connection is
-/// closed past it (a client that stalls mid-request holds nothing longer).
+/// Time a client of the metrics endpoint has to send a request's headers (the first, or the
+/// next on a kept-alive connection); the connection is closed past it, so a client that stalls
+/// mid-request or idles holds nothing longer.
 pub(crate) const METRICS_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Largest request head read from a metrics client.
-const METRICS_MAX_HEAD: usize = 4096;
+/// Metrics connections open at once; one more is closed on arrival.
+const METRICS_MAX_CONNECTIONS: usize = 32;
 
-/// Reads a request head (up to its blank line, at most [`METRICS_MAX_HEAD`] bytes), however it
-/// is split into packets, within `timeout`; `None` when the client closed, stalled past
-/// `timeout`, or sent more than a head.
-async fn read_head<S: tokio::io::AsyncRead + Unpin>(sock: &mut S, timeout: std::time::Duration) -> Option<String> {
-    use tokio::io::AsyncReadExt;
-    let read = async {
-        let mut buf = Vec::with_capacity(512);
-        let mut chunk = [0u8; 1024];
-        loop {
-            let n = sock.read(&mut chunk).await.ok()?;
-            if n == 0 {
-                return None;
-            }
-            buf.extend_from_slice(&chunk[..n]);
-            if buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                return Some(String::from_utf8_lossy(&buf).into_owned());
-            }
-            if buf.len() > METRICS_MAX_HEAD {
-                return None;
-            }
-        }
+const OPENMETRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The endpoint's routes: `GET /metrics` (and `GET /`) render `page`; anything else is 404.
+fn metrics_router(page: Arc<dyn Fn() -> String + Send + Sync>) -> axum::Router {
+    use axum::http::{header, StatusCode};
+    use axum::response::IntoResponse;
+    let render = move || {
+        let page = page.clone();
+        async move { ([(header::CONTENT_TYPE, OPENMETRICS_TYPE)], page()).into_response() }
     };
-    tokio::time::timeout(timeout, read).await.ok().flatten()
+    axum::Router::new()
+        .route("/metrics", axum::routing::get(render.clone()))
+        .route("/", axum::routing::get(render))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "only GET /metrics here\n") })
 }
 
-/// `GET /metrics` over plain HTTP/1.1 until told to stop (one short response per connection; a
-/// client that does not send its request head within [`METRICS_READ_TIMEOUT`] is dropped).
-/// `page` renders the body.
-pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn() -> String + Send + Sync + 'static, mut stop: tokio::sync::watch::Receiver<bool>) {
-    let page = Arc::new(page);
-    use tokio::io::AsyncWriteExt;
+/// Serves `GET /metrics` over HTTP/1.1 (hyper, as the decoder's server) until told to stop:
+/// a connection that does not deliver a request's headers within [`METRICS_READ_TIMEOUT`] is
+/// closed, and at most [`METRICS_MAX_CONNECTIONS`] are open at once. `page` renders the body.
+pub(crate) async fn serve_http(listener: tokio::net::TcpListener, page: impl Fn() -> String + Send + Sync + 'static, stop: tokio::sync::watch::Receiver<bool>) {
+    serve_router(listener, metrics_router(Arc::new(page)), METRICS_READ_TIMEOUT, stop).await
+}
+
+async fn serve_router(listener: tokio::net::TcpListener, app: axum::Router, header_timeout: std::time::Duration, mut stop: tokio::sync::watch::Receiver<bool>) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_timeout);
+    let builder = Arc::new(builder.http1_only());
+    let open = Arc::new(tokio::sync::Semaphore::new(METRICS_MAX_CONNECTIONS));
+    let mut conns = tokio::task::JoinSet::new();
     loop {
-        let (mut sock, _) = tokio::select! {
+        let (stream, remote) = tokio::select! {
+            // (the guard `wait_for` returns is not `Send`: dropped inside)
+            _ = async { let _ = stop.wait_for(|v| *v).await; } => break,
             a = listener.accept() => match a {
                 Ok(x) => x,
                 Err(e) => {
+                    // out of descriptors and the like: wait instead of spinning
                     tracing::warn!("metrics: accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             },
-            _ = stop.wait_for(|v| *v) => return,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
-        let page = page.clone();
-        tokio::spawn(async move {
-            let Some(req) = read_head(&mut sock, METRICS_READ_TIMEOUT).await else { return };
-            let (status, body) = if req.starts_with("GET /metrics ") || req.starts_with("GET / ") {
-                ("200 OK", page())
-            } else {
-                ("404 Not Found", "only GET /metrics here\n".to_string())
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
-            let _ = sock.shutdown().await;
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            tracing::debug!(%remote, "metrics: {METRICS_MAX_CONNECTIONS} connections open; closing a new one");
+            continue;
+        };
+        let svc = TowerToHyperService::new(app.clone());
+        let builder = builder.clone();
+        conns.spawn(async move {
+            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+                tracing::debug!(%remote, "metrics connection ended: {e}");
+            }
+            drop(permit);
         });
     }
+    conns.abort_all();
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Issue 21: a metrics client that sends part of its request and stalls is dropped after
-    /// the read timeout; a head split across packets is still read whole (the endpoint answered
-    /// from the first packet before).
+    /// A metrics client that sends part of its request and stalls is closed after the header
+    /// timeout; a request split across packets is answered whole; other paths get 404.
     #[tokio::test]
-    async fn a_stalled_metrics_client_is_dropped_and_a_split_head_is_read_whole() {
-        use tokio::io::AsyncWriteExt;
-        let timeout = std::time::Duration::from_millis(300);
-        let (mut client, mut server) = tokio::io::duplex(8192);
-        client.write_all(b"GET /metr").await.unwrap();
-        let t0 = std::time::Instant::now();
-        assert_eq!(read_head(&mut server, timeout).await, None, "a partial head must not be answered");
-        let waited = t0.elapsed();
-        assert!(waited >= timeout && waited < timeout * 10, "dropped after {waited:?} (timeout {timeout:?})");
+    async fn a_stalled_metrics_client_is_closed_and_a_split_request_is_answered() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let app = metrics_router(Arc::new(|| "k3_prefill_requests_total 7\n# EOF\n".to_string()));
+        let server = tokio::spawn(serve_router(listener, app, std::time::Duration::from_millis(300), stop));
+        let read_all = |mut c: tokio::net::TcpStream| async move {
+            let mut out = Vec::new();
+            let _ = c.read_to_end(&mut out).await;
+            String::from_utf8_lossy(&out).into_owned()
+        };
+        let limit = std::time::Duration::from_secs(20);
 
-        let (mut client, mut server) = tokio::io::duplex(8192);
-        let reader = tokio::spawn(async move { read_head(&mut server, std::time::Duration::from_secs(5)).await });
-        client.write_all(b"GET /metr").await.unwrap();
+        // stalled mid-request: the server closes it without an answer (read_to_end returns)
+        let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stalled.write_all(b"GET /metr").await.unwrap();
+        let got = tokio::time::timeout(limit, read_all(stalled)).await.expect("the stalled connection was closed");
+        assert!(!got.contains("k3_prefill_requests_total"), "a partial request was answered: {got}");
+
+        // split across two packets: answered
+        let mut split = tokio::net::TcpStream::connect(addr).await.unwrap();
+        split.write_all(b"GET /metr").await.unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        client.write_all(b"ics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
-        let head = reader.await.unwrap().expect("the head split in two packets");
-        assert!(head.starts_with("GET /metrics "), "{head}");
+        split.write_all(b"ics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let got = tokio::time::timeout(limit, read_all(split)).await.unwrap();
+        assert!(got.starts_with("HTTP/1.1 200") && got.contains("openmetrics-text") && got.contains("k3_prefill_requests_total 7"), "{got}");
 
-        // a head longer than the limit is not buffered without end
-        let (mut client, mut server) = tokio::io::duplex(1 << 16);
-        client.write_all(&vec![b'a'; METRICS_MAX_HEAD + 2048]).await.unwrap();
-        assert_eq!(read_head(&mut server, std::time::Duration::from_secs(5)).await, None);
+        let mut other = tokio::net::TcpStream::connect(addr).await.unwrap();
+        other.write_all(b"GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let got = tokio::time::timeout(limit, read_all(other)).await.unwrap();
+        assert!(got.starts_with("HTTP/1.1 404"), "{got}");
+
+        // a head without end is not buffered without end: the connection is refused or closed
+        let mut long = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = long.write_all(&vec![b'a'; 1 << 20]).await;
+        let got = tokio::time::timeout(limit, read_all(long)).await.expect("the endless head's connection was closed");
+        assert!(!got.contains("200 OK"), "{got}");
+
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(limit, server).await.expect("the server stops when told").unwrap();
     }
 
     fn record(id: u64, weights: Option<WeightTiming>) -> RequestRecord {

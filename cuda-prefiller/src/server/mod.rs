@@ -21,14 +21,15 @@
 mod context;
 pub mod cost;
 pub mod metrics;
+pub mod predict;
 mod request;
 pub mod sessions;
 mod worker;
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use k3_protocol::transport::{NodeConfig, PrefillConnection, PrefillServer, TransferError};
@@ -51,28 +52,56 @@ pub struct PrefillNode {
     runtime: Option<tokio::runtime::Runtime>,
     serve_task: Option<tokio::task::JoinHandle<()>>,
     worker: Option<std::thread::JoinHandle<()>>,
+    /// Set at shutdown: the compute worker abandons its pass before the next token chunk.
+    stopping: Arc<AtomicBool>,
 }
+
+/// How long a graceful shutdown waits for each part: the accept loop and its connections, the
+/// network runtime's remaining tasks, the compute worker (which abandons its pass within a
+/// token chunk). Together under the 5 s a service manager allows after SIGTERM.
+const SHUTDOWN_SERVE: Duration = Duration::from_millis(1500);
+const SHUTDOWN_RUNTIME: Duration = Duration::from_millis(500);
+const SHUTDOWN_WORKER: Duration = Duration::from_millis(2000);
 
 impl PrefillNode {
     /// Binds `listen` and starts serving `model`.
-    pub fn start<B: Backend + 'static>(model: Model<B>, listen: SocketAddr, node: NodeConfig, opts: ServeOptions) -> anyhow::Result<PrefillNode> {
+    pub fn start<B: Backend + 'static>(
+        model: impl Into<Arc<Model<B>>>,
+        listen: SocketAddr,
+        node: NodeConfig,
+        opts: ServeOptions,
+    ) -> anyhow::Result<PrefillNode> {
+        let model: Arc<Model<B>> = model.into();
         let backend = model.backend.name().to_string();
         let text_config = model.cfg.clone();
-        // What one weight pass reads: every layer's tensors from the throttled source, the
+        // What one weight pass reads: every layer's tensors from the emulated source, the
         // checkpoint from the streamer's, nothing with resident weights.
-        let layer_bytes: Vec<u64> = (0..text_config.num_hidden_layers)
-            .map(|l| {
-                let prefix = k3_protocol::tensors::layer_tensor(l, "");
-                model.ck.tensor_names().filter(|n| n.starts_with(&prefix)).filter_map(|n| model.ck.entry(n)).map(|e| (e.end - e.start) as u64).sum()
-            })
-            .collect();
-        let pass_bytes = match (opts.source_bytes_per_s, &opts.streamed) {
-            (Some(_), _) => layer_bytes.iter().sum(),
+        let pass_bytes = match (&opts.source, &opts.streamed) {
+            (Some(s), _) => s.pass_bytes(),
             (None, Some(_)) => model.ck.total_bytes(),
             (None, None) => 0,
         };
-        let planned_pass_s = opts.source_bytes_per_s.map_or(0.0, |r| pass_bytes as f64 / r);
-        let meter = Arc::new(cost::CostMeter::new(node.cost.clone(), pass_bytes, planned_pass_s));
+        let planned_pass_s = opts.source.as_ref().map_or(0.0, |s| s.pass_seconds());
+        // Before serving: the compute predicted from the model's FLOPs at the GEMM rate measured
+        // here now, advertised until the first request is measured.
+        let predicted = predict::measure(&*model.backend, &text_config, opts.chunk_tokens).map(|gemm| {
+            let r = match opts.streamed {
+                None => predict::measure_model(&model, &gemm, opts.chunk_tokens).unwrap_or(gemm),
+                Some(_) => gemm,
+            };
+            let fit = predict::predicted_compute(&text_config, &r);
+            tracing::info!(
+                gemm_gflops = format!("{:.2}", gemm.gemm_flops_per_s / 1e9),
+                effective_gflops = format!("{:.2}", r.gemm_flops_per_s / 1e9),
+                fixed_ms = format!("{:.1}", r.fixed_s * 1e3),
+                measured_in_s = format!("{:.3}", r.seconds),
+                predicted_1k_s = format!("{:.3}", fit.seconds(1024, 0)),
+                pass_s = format!("{planned_pass_s:.3}"),
+                "start-up cost prediction"
+            );
+            fit
+        });
+        let meter = Arc::new(cost::CostMeter::new(node.cost.clone(), pass_bytes, planned_pass_s).with_predicted(predicted.unwrap_or_default()));
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("prefill-net")
@@ -85,17 +114,20 @@ impl PrefillNode {
         };
         let addr = server.local_addr();
         let metrics = Arc::new(ServerMetrics::default());
+        let stopping = Arc::new(AtomicBool::new(false));
         let (jobs, worker) = worker::spawn(
-            Arc::new(model),
+            model,
             worker::WorkerOptions {
                 chunk_tokens: opts.chunk_tokens,
+                planner: opts.planner.clone(),
                 streamed: opts.streamed.clone(),
                 #[cfg(feature = "test-knobs")]
                 layer_delay: opts.layer_delay,
-                source_rate: opts.source_bytes_per_s.map(|r| (r, Arc::new(layer_bytes))),
+                source: opts.source.clone(),
                 pass_budget_bytes: opts.pass_budget_bytes,
                 meter: Some(meter.clone()),
                 metrics: Some(metrics.clone()),
+                stop: stopping.clone(),
             },
         )
         .context("starting the compute thread")?;
@@ -127,7 +159,7 @@ impl PrefillNode {
         }
         let serve_task = runtime.spawn(serve(server, shared.clone(), stop_rx));
         tracing::info!(%addr, backend, "prefill node ready");
-        Ok(PrefillNode { addr, backend, shared, stop, runtime: Some(runtime), serve_task: Some(serve_task), worker: Some(worker) })
+        Ok(PrefillNode { addr, backend, shared, stop, runtime: Some(runtime), serve_task: Some(serve_task), worker: Some(worker), stopping })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -199,7 +231,9 @@ impl PrefillNode {
         self.stop.clone()
     }
 
-    /// Stops accepting, closes every connection politely, waits for the compute thread.
+    /// Stops accepting, closes every connection politely, stops the compute (the pass in flight
+    /// is abandoned before its next token chunk) and waits for the compute thread, all within
+    /// about 4 s.
     pub fn shutdown(mut self) {
         self.shutdown_inner(true);
     }
@@ -213,23 +247,36 @@ impl PrefillNode {
 
     fn shutdown_inner(&mut self, graceful: bool) {
         let Some(rt) = self.runtime.take() else { return };
+        // The compute stops first: the pass in flight before its next token chunk, the waiting
+        // jobs without compute (a killed process computes nothing either).
+        self.stopping.store(true, Ordering::SeqCst);
         if graceful {
             let _ = self.stop.send(true);
             if let Some(task) = self.serve_task.take() {
-                let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), task).await });
+                let _ = rt.block_on(async { tokio::time::timeout(SHUTDOWN_SERVE, task).await });
             }
-            rt.shutdown_timeout(Duration::from_secs(2));
+            rt.shutdown_timeout(SHUTDOWN_RUNTIME);
         } else {
             rt.shutdown_background();
         }
-        // Closing the job channel ends the worker after its current job.
+        // Closing the job channel ends the worker.
         if let Ok(mut j) = self.shared.jobs.lock() {
             let (dead, _) = std::sync::mpsc::channel();
             *j = dead;
         }
         if let Some(w) = self.worker.take() {
             if graceful {
-                let _ = w.join();
+                let t0 = Instant::now();
+                while !w.is_finished() && t0.elapsed() < SHUTDOWN_WORKER {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if w.is_finished() {
+                    let _ = w.join();
+                } else {
+                    // One backend call longer than the bound (a token chunk on a very slow
+                    // backend): the thread is left to end with the process.
+                    tracing::warn!("the compute thread did not stop within {:.1} s; leaving it", SHUTDOWN_WORKER.as_secs_f64());
+                }
             }
         }
         tracing::info!(addr = %self.addr, graceful, "prefill node stopped");

@@ -12,9 +12,9 @@ use k3_protocol::wire::{ErrorCode, SessionId, StateLayout, Timing};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::executor::EmbeddingOverrides;
+use crate::server::context::NodeContext;
 use crate::server::metrics::{RequestOutcome, RequestRecord};
 use crate::server::sessions::{LeaseError, Leased};
-use crate::server::context::NodeContext;
 use crate::server::worker::{JobDone, PrefillJob};
 
 /// A refusal before anything was accepted.
@@ -35,23 +35,14 @@ fn check_request(sh: &NodeContext, req: &k3_protocol::wire::PrefillRequest) -> R
         return Err(refusal(ErrorCode::InvalidRequest, "the request holds no tokens"));
     }
     if n > sh.opts.max_request_tokens {
-        return Err(refusal(
-            ErrorCode::TooLarge,
-            format!("{n} new tokens exceed this node's limit of {} per request", sh.opts.max_request_tokens),
-        ));
+        return Err(refusal(ErrorCode::TooLarge, format!("{n} new tokens exceed this node's limit of {} per request", sh.opts.max_request_tokens)));
     }
     if let Some((i, t)) = req.tokens.iter().enumerate().find(|(_, t)| **t as usize >= c.vocab_size) {
-        return Err(refusal(
-            ErrorCode::InvalidRequest,
-            format!("token {t} at position {i} is outside the vocabulary (size {})", c.vocab_size),
-        ));
+        return Err(refusal(ErrorCode::InvalidRequest, format!("token {t} at position {i} is outside the vocabulary (size {})", c.vocab_size)));
     }
     let Some(im) = &req.image_embeddings else { return Ok(None) };
     if im.width as usize != c.hidden_size {
-        return Err(refusal(
-            ErrorCode::InvalidRequest,
-            format!("image embedding rows are {} wide, the model's hidden size is {}", im.width, c.hidden_size),
-        ));
+        return Err(refusal(ErrorCode::InvalidRequest, format!("image embedding rows are {} wide, the model's hidden size is {}", im.width, c.hidden_size)));
     }
     let mut seen = vec![false; n];
     for &p in &im.positions {
@@ -81,9 +72,7 @@ impl Start {
     fn put_back(self, sh: &NodeContext, state: Option<HandoffState>) {
         let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
         match (self.prefix, state) {
-            (Some(tokens), Some(state)) if state.tokens == tokens.len() => {
-                store.release(Leased { session: self.session, tokens, state }, Instant::now())
-            }
+            (Some(tokens), Some(state)) if state.tokens == tokens.len() => store.release(Leased { session: self.session, tokens, state }, Instant::now()),
             _ => store.forget(&self.session),
         }
     }
@@ -123,26 +112,28 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         let mut store = sh.sessions.lock().unwrap_or_else(|p| p.into_inner());
         match &r.base {
             Some(b) => store.lease(session, b, now).map(|l| (Start { session, prefix: Some(l.tokens) }, l.state)),
-            None => store
-                .claim_fresh(session, now)
-                .map(|_old| (Start { session, prefix: None }, HandoffState::empty(&sh.text_config))),
+            None => store.claim_fresh(session, now).map(|_old| (Start { session, prefix: None }, HandoffState::empty(&sh.text_config))),
         }
     };
     let (start, state) = match lease {
         Ok(x) => x,
-        Err(LeaseError::Busy(s)) => {
-            return refuse(&sh, req, refusal(ErrorCode::Busy, format!("session {s} is in use by another request")), record).await
-        }
+        Err(LeaseError::Busy(s)) => return refuse(&sh, req, refusal(ErrorCode::Busy, format!("session {s} is in use by another request")), record).await,
         Err(e) => return refuse(&sh, req, refusal(ErrorCode::BaseNotHeld, e.to_string()), record).await,
     };
     let total_tokens = state.tokens + r.tokens.len();
     if total_tokens > sh.text_config.max_position_embeddings {
         start.put_back(&sh, Some(state));
-        let msg = format!(
-            "the session would hold {total_tokens} tokens, past the model's max_position_embeddings {}",
-            sh.text_config.max_position_embeddings
-        );
+        let msg = format!("the session would hold {total_tokens} tokens, past the model's max_position_embeddings {}", sh.text_config.max_position_embeddings);
         return refuse(&sh, req, refusal(ErrorCode::TooLarge, msg), record).await;
+    }
+    // The node's memory plan caps the prompt: one that cannot fit even alone is refused here,
+    // with the plan's reason (the longest prompt that fits), before it waits in the queue.
+    if let Some(p) = &sh.opts.planner {
+        if let Err(e) = p.plan(&[crate::memory_plan::PlanRequest { base: state.tokens, new: r.tokens.len() }]) {
+            start.put_back(&sh, Some(state));
+            tracing::warn!(%peer, %session, tokens = new_tokens, "refused: {e}");
+            return refuse(&sh, req, refusal(ErrorCode::TooLarge, e.to_string()), record).await;
+        }
     }
     // 3. Room in the queue? (`in_flight` counts the computing request and the waiting ones.)
     let ahead = sh.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -179,7 +170,10 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
     // 5. Compute on the worker thread; stream each layer as it comes.
     let (layer_tx, mut layer_rx) = mpsc::channel(sh.opts.layer_buffer.max(1));
     let (done_tx, done_rx) = oneshot::channel::<JobDone>();
+    let (started_tx, mut started_rx) = oneshot::channel::<f64>();
     let cancel = Arc::new(AtomicBool::new(false));
+    // This task may be dropped (the node shutting down aborts its connections): the job stops then.
+    let _cancel_on_drop = CancelOnDrop(cancel.clone());
     let job_id = tx.request_id();
     sh.cost.queued(job_id, new_tokens, base);
     let job = PrefillJob {
@@ -191,6 +185,7 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         done: done_tx,
         cancel: cancel.clone(),
         queued_at: Instant::now(),
+        started: Some(started_tx),
     };
     let submitted = match sh.jobs.lock() {
         Ok(j) => j.send(job).map_err(|e| e.0),
@@ -203,21 +198,44 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         record.outcome = RequestOutcome::Failed { reason: "the compute worker is gone".into() };
         return sh.metrics.record(record);
     }
+    // Each layer as the worker finishes it; meanwhile the transfer is watched, so that a decoder
+    // that cancels or goes away stops the compute within a token chunk (not at the layer's end).
     let mut send_err: Option<TransferError> = None;
-    while let Some(ld) = layer_rx.recv().await {
-        // Progress first: it tells the decoder when the layer finished on this node.
-        let sent = match tx.progress(ld.layer as u32 + 1, ld.compute_s).await {
-            Ok(()) => tx.send_layer(ld.layer, ld.state).await,
-            Err(e) => Err(e),
+    let mut waiting_start = true;
+    loop {
+        enum Ev {
+            Stopped(TransferError),
+            Started(Option<f64>),
+            Layer(Option<crate::server::worker::LayerDone>),
+        }
+        let ev = tokio::select! {
+            biased;
+            e = tx.stopped() => Ev::Stopped(e),
+            q = &mut started_rx, if waiting_start => Ev::Started(q.ok()),
+            ld = layer_rx.recv() => Ev::Layer(ld),
         };
-        match sent {
-            Ok(()) => sh.metrics.update(|c| c.layers_sent += 1),
-            Err(e) => {
-                tracing::warn!(%peer, %session, layer = ld.layer, "stopping the prefill: {e}");
-                cancel.store(true, Ordering::Relaxed);
-                send_err = Some(e);
-                break; // dropping the receiver makes the worker's next send fail
+        let sent = match ev {
+            Ev::Stopped(e) => Err((e, None)),
+            Ev::Started(q) => {
+                waiting_start = false;
+                match q {
+                    // Progress 0: the decoder learns that its request left the queue.
+                    Some(q) => tx.progress(0, 0.0).await.map_err(|e| (e, None)).inspect(|()| tracing::debug!(request = job_id, queue_s = q, "compute started")),
+                    None => Ok(()),
+                }
             }
+            Ev::Layer(None) => break,
+            // Progress first: it tells the decoder when the layer finished on this node.
+            Ev::Layer(Some(ld)) => match tx.progress(ld.layer as u32 + 1, ld.compute_s).await {
+                Ok(()) => tx.send_layer(ld.layer, ld.state).await.map(|()| sh.metrics.update(|c| c.layers_sent += 1)).map_err(|e| (e, Some(ld.layer))),
+                Err(e) => Err((e, Some(ld.layer))),
+            },
+        };
+        if let Err((e, layer)) = sent {
+            tracing::warn!(%peer, %session, layer, "stopping the prefill: {e}");
+            cancel.store(true, Ordering::Relaxed);
+            send_err = Some(e);
+            break; // the executor sees the cancel before its next token chunk
         }
     }
     drop(layer_rx);
@@ -245,6 +263,8 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
     record.pass_requests = done.pass_requests as u32;
     record.network_wait_s = done.network_wait_s;
     let failure = match (&send_err, &done.result, &done.state) {
+        // where the compute stopped, too (the executor's cancel names the layer and chunk)
+        (Some(e), Err(c), _) => Some(format!("transfer: {e}; compute: {c:#}")),
         (Some(e), _, _) => Some(format!("transfer: {e}")),
         (None, Err(e), _) => Some(format!("compute: {e:#}")),
         (None, Ok(_), None) => Some("compute: the state was lost".to_string()),
@@ -307,6 +327,15 @@ pub(crate) async fn handle(sh: Arc<NodeContext>, req: IncomingRequest) {
         sh.sessions.lock().unwrap_or_else(|p| p.into_inner()).forget_if_idle(&session, &all);
         tracing::warn!(%peer, %session, "hand-off not delivered: {e}");
         sh.metrics.amend(record.request, &record.peer, RequestOutcome::Failed { reason: format!("transfer: {e}") });
+    }
+}
+
+/// Cancels the request's compute when its task ends or is dropped.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 

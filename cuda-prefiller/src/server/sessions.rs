@@ -214,12 +214,7 @@ impl PrefixStore {
             if total <= self.limits.max_bytes {
                 return;
             }
-            let victim = self
-                .entries
-                .iter()
-                .filter(|(_, e)| e.state.is_some())
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(id, _)| *id);
+            let victim = self.entries.iter().filter(|(_, e)| e.state.is_some()).min_by_key(|(_, e)| e.last_used).map(|(id, _)| *id);
             let Some(id) = victim else { return }; // only leased entries left: they come back later
             if let Some(e) = self.entries.remove(&id) {
                 self.evicted += 1;

@@ -17,7 +17,7 @@ use k3_protocol::handoff::{HandoffState, LayerState};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::backend::Backend;
-use crate::executor::{pass_request_bytes, EmbeddingOverrides, ExecOptions, LogitsRows, PassRequest, PrefillInput};
+use crate::executor::{pass_request_bytes, CancelRef, EmbeddingOverrides, ExecOptions, LogitsRows, PassRequest, PrefillInput};
 use crate::model::Model;
 
 /// One finished layer.
@@ -80,25 +80,31 @@ pub struct PrefillJob {
     pub state: HandoffState,
     pub layers: mpsc::Sender<LayerDone>,
     pub done: oneshot::Sender<JobDone>,
-    /// Set when the transfer died: stop at the next layer.
+    /// Set when the transfer died or the decoder cancelled: the executor stops before its next
+    /// token chunk ([`ExecOptions::cancel`]).
     pub cancel: Arc<AtomicBool>,
     pub queued_at: Instant,
+    /// Told (with the seconds it waited) when the job's weight pass starts.
+    pub started: Option<oneshot::Sender<f64>>,
 }
 
 /// Settings of the worker.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
     pub chunk_tokens: usize,
+    /// Plans every pass (chunk, expert windows, bank) and refuses what cannot fit
+    /// ([`crate::server::ServeOptions::planner`]).
+    pub planner: Option<crate::prefiller::Planner>,
     /// Stream each pass's weights through these (the model's backend is then CUDA).
     pub streamed: Option<Arc<crate::streamer::StreamedWeights>>,
     /// Test hook (feature `test-knobs`): sleep this long after each layer of a pass (makes a
     /// transfer slow enough to kill).
     #[cfg(feature = "test-knobs")]
     pub layer_delay: Duration,
-    /// Test option: a weight source capped at this many bytes per second — layer l may finish
-    /// only once `layer_bytes[..=l]` could have been read since the pass started (reads run
-    /// ahead of compute, as the streamer's do).
-    pub source_rate: Option<(f64, Arc<Vec<u64>>)>,
+    /// The emulated weight source ([`crate::server::ServeOptions::source`]): in the pass's
+    /// weight feed layer l finishes no earlier than the bytes of layers 0..=l could have been
+    /// read since the pass started ([`crate::source_pace::PacedFeed`]).
+    pub source: Option<crate::source_pace::SourceRate>,
     /// Requests waiting when a pass starts join it while the sum of their
     /// [`pass_request_bytes`] stays within this (the first one always runs); 0: one request a pass.
     pub pass_budget_bytes: u64,
@@ -106,22 +112,37 @@ pub struct WorkerOptions {
     pub meter: Option<Arc<crate::server::cost::CostMeter>>,
     /// Counts the weight passes.
     pub metrics: Option<Arc<crate::server::metrics::ServerMetrics>>,
+    /// Set when the node shuts down: the pass in flight stops before its next token chunk, and
+    /// every waiting job is answered without compute.
+    pub stop: Arc<AtomicBool>,
 }
 
-/// Starts the worker thread; it ends when every job sender is dropped and the queue is empty.
-pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) -> std::io::Result<(std::sync::mpsc::Sender<PrefillJob>, std::thread::JoinHandle<()>)> {
+/// Starts the worker thread; it ends when every job sender is dropped and the queue is empty, or
+/// once [`WorkerOptions::stop`] is set (waiting jobs are answered first, without compute).
+pub fn spawn<B: Backend + 'static>(
+    model: Arc<Model<B>>,
+    opts: WorkerOptions,
+) -> std::io::Result<(std::sync::mpsc::Sender<PrefillJob>, std::thread::JoinHandle<()>)> {
     let (tx, rx) = std::sync::mpsc::channel::<PrefillJob>();
     let h = std::thread::Builder::new().name("prefill-compute".into()).spawn(move || {
         let mut waiting: VecDeque<PrefillJob> = VecDeque::new();
         loop {
             if waiting.is_empty() {
-                match rx.recv() {
+                // woken now and then to see a shutdown while senders are still alive
+                match rx.recv_timeout(Duration::from_millis(100)) {
                     Ok(j) => waiting.push_back(j),
-                    Err(_) => break,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) if opts.stop.load(Ordering::Relaxed) => break,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             }
             while let Ok(j) = rx.try_recv() {
                 waiting.push_back(j);
+            }
+            if opts.stop.load(Ordering::Relaxed) {
+                // answered without compute (run_pass refuses every job once the node stops)
+                run_pass(&model, &opts, waiting.drain(..).collect());
+                continue;
             }
             let pass = take_pass(&model, &opts, &mut waiting);
             run_pass(&model, &opts, pass);
@@ -131,14 +152,33 @@ pub fn spawn<B: Backend + 'static>(model: Arc<Model<B>>, opts: WorkerOptions) ->
     Ok((tx, h))
 }
 
-/// The next pass: the oldest waiting job, then the following ones while they fit the budget.
+/// The next pass: the oldest waiting job, then the following ones while they fit the budget
+/// (and, with a memory plan, while the pass still fits the node's memory). A job that cannot fit
+/// even alone is answered at once with the plan's reason.
 fn take_pass<B: Backend>(model: &Model<B>, opts: &WorkerOptions, waiting: &mut VecDeque<PrefillJob>) -> Vec<PrefillJob> {
     let mut pass = Vec::new();
+    let mut planned: Vec<crate::memory_plan::PlanRequest> = Vec::new();
     let mut bytes = 0u64;
     while let Some(j) = waiting.front() {
         let need = pass_request_bytes(&model.dims, model.plan.len(), j.state.tokens, j.tokens.len());
         if !pass.is_empty() && bytes.saturating_add(need) > opts.pass_budget_bytes {
             break;
+        }
+        if let Some(p) = &opts.planner {
+            let me = crate::memory_plan::PlanRequest { base: j.state.tokens, new: j.tokens.len().max(1) };
+            let mut with = planned.clone();
+            with.push(me);
+            if let Err(e) = p.plan(&with) {
+                if pass.is_empty() {
+                    let j = waiting.pop_front().expect("front exists");
+                    tracing::warn!(request = j.request, tokens = j.tokens.len(), base = j.state.tokens, "refused: {e}");
+                    let queue_s = j.queued_at.elapsed().as_secs_f64();
+                    let _ = j.done.send(JobDone::failed(Some(j.state), anyhow::Error::new(e), queue_s));
+                    continue;
+                }
+                break;
+            }
+            planned = with;
         }
         bytes = bytes.saturating_add(need);
         pass.extend(waiting.pop_front());
@@ -148,11 +188,16 @@ fn take_pass<B: Backend>(model: &Model<B>, opts: &WorkerOptions, waiting: &mut V
 
 fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: Vec<PrefillJob>) {
     let mut live = Vec::with_capacity(jobs.len());
-    for job in jobs {
+    for mut job in jobs {
         let queue_s = job.queued_at.elapsed().as_secs_f64();
-        if job.cancel.load(Ordering::Relaxed) {
+        if opts.stop.load(Ordering::Relaxed) {
+            let _ = job.done.send(JobDone::failed(Some(job.state), anyhow::anyhow!("the node is shutting down"), queue_s));
+        } else if job.cancel.load(Ordering::Relaxed) {
             let _ = job.done.send(JobDone::failed(Some(job.state), anyhow::anyhow!("cancelled while queued"), queue_s));
         } else {
+            if let Some(s) = job.started.take() {
+                let _ = s.send(queue_s);
+            }
             live.push((job, queue_s));
         }
     }
@@ -190,18 +235,35 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
     let mut senders = Vec::with_capacity(count);
     let mut cancels = Vec::with_capacity(count);
     for (j, queue_s) in live {
-        let PrefillJob { request: _, tokens, overrides, state, layers, done, cancel, queued_at: _ } = j;
+        let PrefillJob { request: _, tokens, overrides, state, layers, done, cancel, queued_at: _, started: _ } = j;
         meta.push((done, queue_s));
         states.push(state);
         inputs.push((tokens, overrides));
         senders.push(Some(layers));
         cancels.push(cancel);
     }
-    let exec = ExecOptions { chunk_tokens: opts.chunk_tokens, logits: LogitsRows::Last, ..Default::default() };
+    // Each request's cancel (and the node's stop) is checked before every token chunk.
+    let cancel = {
+        let (flags, stop) = (cancels.clone(), opts.stop.clone());
+        CancelRef(Arc::new(move |i: usize| stop.load(Ordering::Relaxed) || flags.get(i).is_some_and(|f| f.load(Ordering::Relaxed))))
+    };
+    let mut exec = ExecOptions { chunk_tokens: opts.chunk_tokens, logits: LogitsRows::Last, cancel: Some(cancel), ..Default::default() };
+    if let Some(p) = &opts.planner {
+        let reqs: Vec<crate::memory_plan::PlanRequest> =
+            states.iter().zip(&inputs).map(|(s, (t, _))| crate::memory_plan::PlanRequest { base: s.tokens, new: t.len().max(1) }).collect();
+        match p.plan(&reqs) {
+            Ok(plan) => {
+                tracing::info!("{}", plan.line());
+                exec = exec.following(&plan);
+            }
+            // checked when the pass was taken; the executor's own checks answer anything else
+            Err(e) => tracing::warn!("{e}"),
+        }
+    }
     let t0 = Instant::now();
     let mut waited = Duration::ZERO;
-    let mut source_wait = Duration::ZERO;
-    let mut source_bytes = 0u64;
+    let pace = opts.source.as_ref().map(crate::source_pace::SourceRate::start);
+    let source_wait = || pace.as_ref().map_or(Duration::ZERO, |p| p.waited());
     let mut paced: Option<usize> = None;
     let res = {
         let mut reqs: Vec<PassRequest<'_, '_>> = states
@@ -210,7 +272,10 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
             .map(|(state, (tokens, overrides))| PassRequest { state, input: PrefillInput { tokens, overrides: overrides.as_ref() } })
             .collect();
         catch_unwind(AssertUnwindSafe(|| {
-            crate::streamer::prefill_many_maybe_streamed(model, opts.streamed.as_deref(), &mut reqs, &exec, |i, ev| {
+            // The embedding, norm and output head against the digest (once per process), as
+            // each layer is below: a state leaves only computed from checked weights.
+            model.ck.verify_outside_layers()?;
+            crate::streamer::prefill_many_maybe_streamed(model, opts.streamed.as_deref(), pace.as_ref(), &mut reqs, &exec, |i, ev| {
                 if cancels[i].load(Ordering::Relaxed) {
                     anyhow::bail!("the transfer was cancelled");
                 }
@@ -224,17 +289,8 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
                     if !opts.layer_delay.is_zero() {
                         std::thread::sleep(opts.layer_delay);
                     }
-                    if let Some((rate, bytes)) = &opts.source_rate {
-                        source_bytes += bytes.get(ev.layer).copied().unwrap_or(0);
-                        let ready = Duration::from_secs_f64(source_bytes as f64 / rate);
-                        let now = t0.elapsed();
-                        if ready > now {
-                            std::thread::sleep(ready - now);
-                            source_wait += ready - now;
-                        }
-                    }
                 }
-                let compute_s = (t0.elapsed() - waited - source_wait).as_secs_f64();
+                let compute_s = (t0.elapsed() - waited - source_wait()).as_secs_f64();
                 let w0 = Instant::now();
                 let sent = match &senders[i] {
                     Some(tx) => tx.blocking_send(LayerDone { layer: ev.layer, state: ev.state.clone(), compute_s }).is_ok(),
@@ -250,16 +306,16 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
         }))
     };
     drop(senders);
-    let compute_s = (t0.elapsed() - waited - source_wait).as_secs_f64();
+    let compute_s = (t0.elapsed() - waited - source_wait()).as_secs_f64();
     let network_wait_s = waited.as_secs_f64();
-    // The time the weight source was busy reading the pass's weights: the throttled source's
-    // reads at its cap; the streamer's readers filling staging (or the copy stream, if longer).
+    // The time the weight source was busy reading the pass's weights: the emulated source's
+    // reads at its rate; the streamer's readers filling staging (or the copy stream, if longer).
     let weights = match &res {
         Ok(Ok((_, st))) => st.clone(),
         _ => None,
     };
-    let source = match (&opts.source_rate, &weights) {
-        (Some((rate, _)), _) if source_bytes > 0 => Some(crate::server::cost::SourceRead { bytes: source_bytes, seconds: source_bytes as f64 / rate }),
+    let source = match (&pace, &weights) {
+        (Some(p), _) if p.bytes() > 0 => Some(crate::server::cost::SourceRead { bytes: p.bytes(), seconds: p.read_seconds() }),
         (_, Some(w)) => Some(crate::server::cost::SourceRead { bytes: w.bytes as u64, seconds: w.fill_s.max(w.copy_s) }),
         _ => None,
     };
@@ -289,11 +345,8 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
             }
         }
         Err(p) => {
-            let what = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let what =
+                p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "unknown panic".into());
             tracing::error!(requests = count, "the executor panicked: {what}; the sessions' prefixes are dropped");
             for _ in 0..count {
                 results.push((None, Err(anyhow::anyhow!("internal error in the executor: {what}")), Vec::new()));
@@ -313,5 +366,72 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
             weights: weights.clone(),
             source: if i == 0 { source } else { None },
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory_plan::{BackendShape, Geometry, Knobs, Limits};
+
+    fn job(request: u64, n: usize, cfg: &k3_protocol::config::TextConfig) -> (PrefillJob, oneshot::Receiver<JobDone>, mpsc::Receiver<LayerDone>) {
+        let (done, done_rx) = oneshot::channel();
+        let (layers, layers_rx) = mpsc::channel(64);
+        let j = PrefillJob {
+            request,
+            tokens: (0..n as u32).map(|i| i % 500).collect(),
+            overrides: None,
+            state: HandoffState::empty(cfg),
+            layers,
+            done,
+            cancel: Arc::new(AtomicBool::new(false)),
+            queued_at: Instant::now(),
+            started: None,
+        };
+        (j, done_rx, layers_rx)
+    }
+
+    /// A request beyond the node's memory plan is answered with the plan's reason before any
+    /// weight is read, and one that fits still runs, under the plan.
+    #[test]
+    fn a_request_beyond_the_plan_is_refused_with_its_reason() {
+        let ck = Arc::new(k3_protocol::Checkpoint::open(&k3_protocol::testdata::golden_dir("tiny-a")).unwrap());
+        let model = Arc::new(Model::new(Arc::new(crate::cpu::CpuBackend), ck, crate::model::WeightPolicy::PerLayer).unwrap());
+        let cfg = model.cfg.clone();
+        let planner = crate::prefiller::Planner {
+            geometry: Geometry::of(&cfg, &model.plan).unwrap(),
+            shape: BackendShape::cpu(),
+            limits: Limits { device: 8_000_000, host: 4_000_000_000 },
+            knobs: Knobs::default(),
+        };
+        let longest = planner.longest_prompt();
+        assert!(longest > 100 && longest < 1_000_000, "{longest}");
+        let opts = WorkerOptions {
+            chunk_tokens: 512,
+            planner: Some(planner),
+            streamed: None,
+            #[cfg(feature = "test-knobs")]
+            layer_delay: Duration::ZERO,
+            source: None,
+            pass_budget_bytes: 16 << 30,
+            meter: None,
+            metrics: None,
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (tx, h) = spawn(model, opts).unwrap();
+        let (big, big_rx, _l1) = job(1, longest + 1, &cfg);
+        let (small, small_rx, mut l2) = job(2, 100, &cfg);
+        tx.send(big).unwrap();
+        tx.send(small).unwrap();
+        let drain = std::thread::spawn(move || while l2.blocking_recv().is_some() {});
+        let big = big_rx.blocking_recv().unwrap();
+        let e = format!("{:#}", big.result.expect_err("refused"));
+        assert!(e.contains("--vram-budget") && e.contains(&format!("the longest prompt that fits is {longest} tokens")), "{e}");
+        assert!(big.state.is_some(), "the refused request's state comes back untouched");
+        let small = small_rx.blocking_recv().unwrap();
+        assert!(small.result.is_ok(), "{:?}", small.result.err());
+        drop(tx);
+        h.join().unwrap();
+        drain.join().unwrap();
     }
 }

@@ -97,3 +97,19 @@ pub fn check_logits(what: &str, ours: &[f32], reference: &[f32], vocab: usize, e
     assert!(bad.is_empty(), "{what}: {} rows above {TOL}: first {:?}", bad.len(), &bad[..bad.len().min(8)]);
     worst
 }
+
+/// Runs `k3-prefill forward ARGS --model MODEL --input-ids IDS --out OUT` (the real binary) to
+/// its end.
+pub fn forward_output(args: &[&str], model: &Path, ids: &Path, out: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_k3-prefill"))
+        .arg("forward")
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .arg("--input-ids")
+        .arg(ids)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
+}

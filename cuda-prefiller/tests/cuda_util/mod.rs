@@ -1,18 +1,19 @@
 //! Shared helpers of the CUDA tests: skip cleanly without a GPU, random inputs, error norms.
 #![allow(dead_code)]
 
-use cuda_prefiller::cuda::{CudaBackend, Precision};
+use cuda_prefiller::cuda::{CudaBackend, CudaOptions, Precision};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// The CUDA backend, or `None` after printing why the test is skipped (CI has no GPU).
+/// The CUDA backend (its default options), or `None` after printing why the test is skipped
+/// (CI has no GPU).
 pub fn cuda(p: Precision) -> Option<CudaBackend> {
     match cuda_prefiller::cuda::probe() {
         Err(why) => {
             eprintln!("SKIPPED: no usable CUDA device: {why}");
             None
         }
-        Ok(_) => match CudaBackend::new(p) {
+        Ok(_) => match CudaBackend::new(p, &CudaOptions::default()) {
             Ok(b) => Some(b),
             Err(e) => panic!("a CUDA device is present but the backend failed to start: {e:#}"),
         },

@@ -64,21 +64,52 @@ impl Grammars {
     /// A constraint for a reply of `shape` after a thinking (or non-thinking) generation prompt.
     pub fn constraint(&self, shape: &ReplyShape, thinking: bool) -> Result<GrammarConstraint, GrammarError> {
         let lark = reply_grammar(shape, thinking)?;
+        if lark.len() > MAX_GRAMMAR_BYTES {
+            return Err(GrammarError::Unusable(format!("the grammar is {} bytes; at most {MAX_GRAMMAR_BYTES}", lark.len())));
+        }
         self.from_lark(&lark)
     }
 
-    /// A constraint from a Lark grammar (llguidance syntax).
+    /// A constraint from a Lark grammar (llguidance syntax). The first mask is computed here, so
+    /// a grammar that cannot start (an unsatisfiable recursive `$ref`, a grammar llguidance
+    /// fails on) is refused before its request is queued, with a one-line message.
     pub fn from_lark(&self, lark: &str) -> Result<GrammarConstraint, GrammarError> {
-        let parser = self
-            .factory
-            .create_parser(TopLevelGrammar::from_lark(lark.to_string()))
-            .map_err(|e| GrammarError::Unusable(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
+        let parser =
+            self.factory.create_parser(TopLevelGrammar::from_lark(lark.to_string())).map_err(|e| GrammarError::Unusable(short_error(&e.to_string())))?;
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Unusable(e.to_string()));
+            return Err(GrammarError::Unusable(short_error(&e)));
+        }
+        match matcher.compute_mask() {
+            Ok(m) if m.num_set() == 0 => return Err(GrammarError::Unusable("no reply satisfies it".into())),
+            Ok(_) => {}
+            Err(e) => return Err(GrammarError::Unusable(short_error(&e.to_string()))),
         }
         Ok(GrammarConstraint { matcher, end_of_msg: self.end_of_msg, vocab: self.factory.tok_env().tok_trie().vocab_size() })
     }
+}
+
+/// Largest grammar (Lark text) one request may build.
+pub const MAX_GRAMMAR_BYTES: usize = 2 << 20;
+
+/// An llguidance error as a client may read it: its first line, at most 200 characters; a
+/// caught panic (whose text carries a backtrace and build paths) or an internal parser state
+/// is named, not shown.
+pub fn short_error(e: &str) -> String {
+    let lower = e.to_ascii_lowercase();
+    if lower.contains("panic") || lower.contains("backtrace") {
+        return "llguidance failed on it".into();
+    }
+    let line = e.lines().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+    if line == "NoExtensionBias" {
+        // the parser's name for "no token can start": the grammar derives no reply
+        return "no reply satisfies it (a rule that never reaches a value, such as a $ref loop)".into();
+    }
+    let mut out: String = line.chars().take(200).collect();
+    if out.len() < line.len() {
+        out.push('…');
+    }
+    out
 }
 
 /// One request's grammar state.

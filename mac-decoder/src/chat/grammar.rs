@@ -93,8 +93,7 @@ fn argument_value(schema: &Json, rules: &mut Vec<String>, name: &str) -> (&'stat
         return ("string", format!("({})", alts.join(" | ")));
     }
     let ty = single_type(schema);
-    let plain_string = ty == Some("string")
-        && ["pattern", "format", "minLength", "enum", "const"].iter().all(|k| schema.get(k).is_none());
+    let plain_string = ty == Some("string") && ["pattern", "format", "minLength", "enum", "const"].iter().all(|k| schema.get(k).is_none());
     if plain_string {
         // The raw text up to the argument's close marker (special tokens cannot occur in it).
         let max = match schema.get("maxLength") {
@@ -125,22 +124,14 @@ fn tool_arguments(i: usize, params: Option<&Json>, rules: &mut Vec<String>) -> S
     let params = params.filter(|p| !p.is_null()).unwrap_or(&empty);
     let props = params.get("properties").and_then(Json::as_object);
     let simple = single_type(params) == Some("object")
-        && ["patternProperties", "anyOf", "oneOf", "allOf", "$ref", "if", "dependentRequired", "minProperties"]
-            .iter()
-            .all(|k| params.get(k).is_none());
+        && ["patternProperties", "anyOf", "oneOf", "allOf", "$ref", "if", "dependentRequired", "minProperties"].iter().all(|k| params.get(k).is_none());
     let rule = format!("args_{i}");
     let Some(props) = props.filter(|_| simple) else {
         // The whole object in one `json` element.
-        rules.push(format!(
-            "{rule}: <|open|> {} <|sep|> {} <|close|> {} <|sep|>",
-            lit("json type=\"object\""),
-            json_rule(params),
-            lit("json")
-        ));
+        rules.push(format!("{rule}: <|open|> {} <|sep|> {} <|close|> {} <|sep|>", lit("json type=\"object\""), json_rule(params), lit("json")));
         return rule;
     };
-    let required: Vec<&str> =
-        params.get("required").and_then(Json::as_array).map(|r| r.iter().filter_map(Json::as_str).collect()).unwrap_or_default();
+    let required: Vec<&str> = params.get("required").and_then(Json::as_array).map(|r| r.iter().filter_map(Json::as_str).collect()).unwrap_or_default();
     let mut parts = Vec::new();
     for (k, (key, schema)) in props.iter().enumerate() {
         let (label, value) = argument_value(schema, rules, &format!("a{i}_{k}"));

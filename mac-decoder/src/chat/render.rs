@@ -222,7 +222,9 @@ fn normalize_arguments(args: Option<&Json>) -> Result<Arguments, RenderError> {
             if s.trim().is_empty() {
                 return Ok(Arguments::Object(Vec::new()));
             }
-            match Json::parse(s) {
+            // Numbers keep their literal text: the arguments the model wrote re-render to the
+            // ids it generated (`1.50` stays `1.50`, not Python's `1.5`).
+            match Json::parse_keeping_numbers(s) {
                 Ok(Json::Object(o)) => Ok(Arguments::Object(o)),
                 Ok(other) => err(format!("tool call arguments must be a JSON object, not {}", other.xtml_type())),
                 Err(_) => Ok(Arguments::Raw(s.clone())),
@@ -438,9 +440,7 @@ pub fn render(messages: &[Json], opts: &RenderOptions) -> Result<Vec<Segment>, R
                     }
                 }
                 let Some(tool_name) = tool_name else {
-                    return err(format!(
-                        "tool message {mi} needs a tool name: give `tool_call_id` of a preceding assistant tool call, `tool` or `name`"
-                    ));
+                    return err(format!("tool message {mi} needs a tool name: give `tool_call_id` of a preceding assistant tool call, `tool` or `name`"));
                 };
                 out.open("message", &[("role", "tool"), ("tool", &tool_name), ("index", &tool_index.to_string())]);
                 out.content(m.get("content"))?;

@@ -51,6 +51,10 @@ pub struct Args {
     /// Skip the float32-epsilon pass that provides `vision.encoder` and `vision.merged`.
     #[arg(long)]
     pub no_f32_stages: bool,
+    /// Bytes the vision tower may use (bounds the image's patches and the attention blocks;
+    /// default: half the memory available at start).
+    #[arg(long, value_name = "BYTES")]
+    pub vision_memory_bytes: Option<u64>,
 }
 
 fn default_backend() -> Backend {
@@ -61,11 +65,11 @@ fn default_backend() -> Backend {
     }
 }
 
-fn encoder(ck: &k3_protocol::Checkpoint, backend: Backend, eps: NormEps) -> Result<Box<dyn VisionEncoder>> {
+fn encoder(ck: &k3_protocol::Checkpoint, backend: Backend, eps: NormEps, budget: Option<u64>) -> Result<Box<dyn VisionEncoder>> {
     Ok(match backend {
-        Backend::Reference => Box::new(crate::vision::ReferenceEncoder::load(ck, eps)?),
+        Backend::Reference => Box::new(crate::vision::ReferenceEncoder::load_bounded(ck, eps, budget)?),
         #[cfg(feature = "mlx")]
-        Backend::Mlx => Box::new(crate::vision::MlxVisionEncoder::load(ck, eps)?),
+        Backend::Mlx => Box::new(crate::vision::MlxVisionEncoder::load_bounded(ck, eps, budget)?),
         #[cfg(not(feature = "mlx"))]
         Backend::Mlx => bail!("this k3-decode was built without the `mlx` feature; use --backend reference"),
     })
@@ -76,15 +80,20 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let ck = k3_protocol::Checkpoint::open(&args.model)
-        .with_context(|| format!("opening checkpoint {}", args.model.display()))?;
+    let ck = k3_protocol::Checkpoint::open(&args.model).with_context(|| format!("opening checkpoint {}", args.model.display()))?;
     let bytes = std::fs::read(&args.image).with_context(|| format!("reading {}", args.image.display()))?;
     let eps = match args.eps {
         Eps::Bf16 => NormEps::Bf16,
         Eps::F32 => NormEps::F32,
     };
+    let budget = crate::memory::budget(args.vision_memory_bytes, 0);
+    tracing::info!(
+        vision_mb = budget.map(|b| b / 1_000_000),
+        given = args.vision_memory_bytes.is_some(),
+        "vision memory budget (set another with --vision-memory-bytes)"
+    );
     let t0 = Instant::now();
-    let enc = encoder(&ck, args.backend, eps)?;
+    let enc = encoder(&ck, args.backend, eps, budget)?;
     tracing::info!(backend = ?args.backend, "vision weights loaded in {:.2?}", t0.elapsed());
     let img = preprocess_bytes(&bytes, enc.media_config()).with_context(|| format!("image {}", args.image.display()))?;
     let [t, gh, gw] = img.grid_thw;
@@ -105,7 +114,7 @@ pub fn run(args: Args) -> Result<()> {
     } else if eps == NormEps::F32 {
         Some(main.clone())
     } else {
-        Some(encoder(&ck, args.backend, NormEps::F32)?.encode_trace(&img)?)
+        Some(encoder(&ck, args.backend, NormEps::F32, budget)?.encode_trace(&img)?)
     };
 
     let c = enc.vision_config();
@@ -120,12 +129,7 @@ pub fn run(args: Args) -> Result<()> {
         ("vision.output".into(), Dtype::F32, vec![main.rows, c.text_hidden_size], f32_bytes(&main.output)),
     ];
     if eps == NormEps::Bf16 {
-        tensors.push((
-            "vision.output_bf16eps".into(),
-            Dtype::F32,
-            vec![main.rows, c.text_hidden_size],
-            f32_bytes(&main.output),
-        ));
+        tensors.push(("vision.output_bf16eps".into(), Dtype::F32, vec![main.rows, c.text_hidden_size], f32_bytes(&main.output)));
     }
     if let Some(f) = &f32_trace {
         tensors.push(("vision.encoder".into(), Dtype::F32, vec![n, d], f32_bytes(&f.encoder)));

@@ -6,7 +6,7 @@
 //! ([`crate::remote::run_turn`]), each prompt routed to the prefill node or prefilled locally,
 //! the timing table of every turn on stderr; stdout (and `--out`) carry the last turn's tokens,
 //! plus `"turns": [[...], ...]` when there is more than one turn. Both forms load the model the
-//! same way (`--bf16`, `--prefill-chunk`) and decode with the same loop ([`crate::generate`]).
+//! same way (`--bf16`, `--prefill-chunk`) and decode with the same loop ([`crate::decode_loop`]).
 
 use std::path::PathBuf;
 
@@ -22,18 +22,22 @@ pub struct Args {
     /// Decode from a hand-off state (session file, or a golden file: same tensor names).
     #[arg(long)]
     pub state: Option<PathBuf>,
+    /// Tokens to generate after the prompt (fewer when a stop token comes first).
     #[arg(long, default_value_t = 16)]
     pub max_new_tokens: usize,
     /// Greedy decoding (argmax); otherwise sample with the parameters below.
     #[arg(long)]
     pub greedy: bool,
+    /// Sampling temperature (ignored with --greedy).
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+    /// Nucleus sampling: sample from the smallest set of tokens whose probability reaches this (1: all).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
-    /// 0 = off.
+    /// Sample among the k most likely tokens only (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of the sampler (the same seed, prompt and options give the same tokens).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Stop after emitting any of these token ids (comma separated).
@@ -48,6 +52,12 @@ pub struct Args {
     /// Tokens per local-prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// Context limit in tokens, prompt (with a `--state`'s tokens) + `--max-new-tokens` (0: what
+    /// half the memory available beside the weights holds, capped by the config's
+    /// `max_position_embeddings`, as `k3-decode serve` computes it). A longer run is refused
+    /// before anything is prefilled.
+    #[arg(long, default_value_t = 0)]
+    pub max_context: usize,
     /// Write `{"tokens": [...]}` here as well.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -64,13 +74,13 @@ pub struct Args {
 
 #[cfg(feature = "mlx")]
 impl Args {
-    /// The sampling flags as [`crate::generate::GenerateParams`]; `eos` joins the stop tokens with `--stop-at-eos`.
-    pub fn generate_params(&self, eos: u32) -> crate::generate::GenerateParams {
+    /// The sampling flags as [`crate::decode_loop::GenerateParams`]; `eos` joins the stop tokens with `--stop-at-eos`.
+    pub fn generate_params(&self, eos: u32) -> crate::decode_loop::GenerateParams {
         let mut stop_tokens = self.stop.clone();
         if self.stop_at_eos {
             stop_tokens.push(eos);
         }
-        crate::generate::GenerateParams {
+        crate::decode_loop::GenerateParams {
             max_new_tokens: self.max_new_tokens,
             sampling: crate::sampler::SamplingParams {
                 greedy: self.greedy,
@@ -94,7 +104,11 @@ fn peak_rss_bytes() -> u64 {
         return 0;
     }
     let v = u.ru_maxrss.max(0) as u64;
-    if cfg!(target_os = "macos") { v } else { v * 1024 } // bytes on macOS, KiB elsewhere
+    if cfg!(target_os = "macos") {
+        v
+    } else {
+        v * 1024
+    } // bytes on macOS, KiB elsewhere
 }
 
 #[cfg(not(feature = "mlx"))]
@@ -131,6 +145,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         args.input_ids.as_deref().map(read_token_ids).transpose()?.into_iter().collect()
     };
+    // The context limit before the (slow) model load: a prompt past it is refused now, not
+    // after hours of prefill and gigabytes of state.
+    let max_context = {
+        let ck = k3_protocol::Checkpoint::open(&args.model).with_context(|| format!("opening {}", args.model.display()))?;
+        let budget = crate::memory::budget(None, ck.total_bytes());
+        crate::engine::context_limit::limit(&ck.config().text_config, args.prefill_chunk, args.max_context, budget)
+    };
+    let prompt_tokens: usize = turns.iter().map(Vec::len).sum();
+    check_context(max_context, 0, prompt_tokens, turns.len().max(1) * args.max_new_tokens)?;
     let engine = Engine::load_with_dtype(
         &args.model,
         EngineOptions { prefill_chunk: args.prefill_chunk, progress: std::io::IsTerminal::is_terminal(&std::io::stderr()) },
@@ -144,6 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if let Some(state) = &args.state {
             let info = engine.ingest_session_file(&mut session, state)?;
             tracing::info!(tokens = info.tokens, path = %state.display(), "hand-off state ingested");
+            check_context(max_context, info.tokens, prompt_tokens, args.max_new_tokens)?;
         }
         if let Some(ids) = turns.first() {
             let t0 = std::time::Instant::now();
@@ -169,13 +193,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "mlx")]
+/// Refuses a run past the context limit `limit`: `held` tokens of a state, `prompt` new ones,
+/// `new` to generate.
+fn check_context(limit: usize, held: usize, prompt: usize, new: usize) -> anyhow::Result<()> {
+    let total = held.saturating_add(prompt).saturating_add(new);
+    if total > limit {
+        let state = if held > 0 { format!("a state of {held} tokens + ") } else { String::new() };
+        anyhow::bail!(
+            "{state}{prompt} prompt tokens + {new} to generate = {total} tokens exceed the context limit of {limit} tokens \
+             (set another with --max-context; nothing was prefilled)"
+        );
+    }
+    Ok(())
+}
+
 /// The turns of one conversation, routed through the prefill node when one is configured;
 /// prints the timing table and returns the JSON to print.
 #[cfg(feature = "mlx")]
 fn run_conversation(
     args: &Args,
     engine: &crate::decode::Engine,
-    params: &crate::generate::GenerateParams,
+    params: &crate::decode_loop::GenerateParams,
     turns: &[Vec<u32>],
 ) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
@@ -193,8 +232,7 @@ fn run_conversation(
     let mut outputs = Vec::new();
     let mut timings = Vec::new();
     for (i, prompt) in turns.iter().enumerate() {
-        let (out, t) =
-            run_turn(engine, &mut conv, remote.as_mut(), prompt, None, params, |_| true).with_context(|| format!("turn {}", i + 1))?;
+        let (out, t) = run_turn(engine, &mut conv, remote.as_mut(), prompt, None, params, |_| true).with_context(|| format!("turn {}", i + 1))?;
         tracing::info!(
             turn = i + 1,
             route = t.route.as_str(),
@@ -213,9 +251,5 @@ fn run_conversation(
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
     let last = outputs.last().cloned().unwrap_or_default();
-    Ok(if outputs.len() == 1 {
-        serde_json::json!({ "tokens": last })
-    } else {
-        serde_json::json!({ "tokens": last, "turns": outputs })
-    })
+    Ok(if outputs.len() == 1 { serde_json::json!({ "tokens": last }) } else { serde_json::json!({ "tokens": last, "turns": outputs }) })
 }

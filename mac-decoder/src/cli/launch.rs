@@ -169,7 +169,10 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     if local.is_empty() {
-        bail!("no rank of {} has a loopback address: start each rank on its host with the commands above (or name them with --local-ranks)", hostfile.display());
+        bail!(
+            "no rank of {} has a loopback address: start each rank on its host with the commands above (or name them with --local-ranks)",
+            hostfile.display()
+        );
     }
 
     // SAFETY: the handler only stores to an atomic (async-signal-safe).

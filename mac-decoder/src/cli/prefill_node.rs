@@ -17,9 +17,15 @@ pub struct PrefillNodeArgs {
     /// Remote must beat local by this fraction of its predicted time (cost-based routing).
     #[arg(long, default_value_t = 0.15)]
     pub route_margin: f64,
-    /// Local prefill rate (tokens/s) assumed until this decoder measured its own.
+    /// Local prefill rate (tokens/s) assumed until this decoder measured its own: with
+    /// --local-calibration-tokens 0, or when the calibration at start fails.
     #[arg(long, default_value_t = 120.0)]
     pub local_prefill_tok_s: f64,
+    /// Tokens of the local prefill this decoder times at start, before its first routing
+    /// decision, to learn its own prefill rate (0: none; --local-prefill-tok-s is used until a
+    /// local turn was measured).
+    #[arg(long, default_value_t = 128)]
+    pub local_calibration_tokens: usize,
     /// Pin the prefill node's certificate (sha256:..., printed by `k3-prefill serve`); saved.
     #[arg(long)]
     pub prefill_fingerprint: Vec<String>,
@@ -56,6 +62,7 @@ impl PrefillNodeArgs {
         o.min_tokens = self.remote_min_tokens;
         o.route.margin = self.route_margin;
         o.route.local_tok_per_s = self.local_prefill_tok_s;
+        o.route.calibration_tokens = self.local_calibration_tokens;
         match o.min_tokens {
             Some(m) => tracing::info!(node, min_tokens = m, "prompts with at least min_tokens new tokens are prefilled on the prefill node"),
             None => tracing::info!(node, margin = o.route.margin, "each turn goes where its predicted prefill time is shorter"),

@@ -32,6 +32,7 @@ pub struct RenderArgs {
 /// Arguments of `k3-decode parse`.
 #[derive(clap::Args, Debug)]
 pub struct ParseArgs {
+    /// Model directory (its `tiktoken.model` and `tokenizer_config.json`).
     #[arg(long)]
     pub model: PathBuf,
     /// The request whose prompt the ids follow (thinking on or off, tools declared or not).

@@ -223,9 +223,8 @@ pub use k3_protocol::fit::expert_range;
 /// A ring hostfile: one entry per rank, each a list of `host:port` addresses.
 pub fn read_hostfile(path: &std::path::Path) -> Result<Vec<Vec<String>>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading the hostfile {}", path.display()))?;
-    let hosts: Vec<Vec<String>> = serde_json::from_str(&text).with_context(|| {
-        format!("{}: a ring hostfile is a JSON list with one list of \"host:port\" strings per rank", path.display())
-    })?;
+    let hosts: Vec<Vec<String>> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: a ring hostfile is a JSON list with one list of \"host:port\" strings per rank", path.display()))?;
     if hosts.is_empty() {
         bail!("{}: the hostfile lists no ranks", path.display());
     }

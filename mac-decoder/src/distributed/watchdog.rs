@@ -43,11 +43,7 @@ impl Watchdog {
         loop {
             let now = Instant::now();
             if let Some(a) = st.armed.iter().find(|a| a.deadline <= now) {
-                let msg = format!(
-                    "no progress for {:.1} s while {}: a peer rank is gone or stalled; stopping this rank",
-                    a.timeout.as_secs_f64(),
-                    a.what
-                );
+                let msg = format!("no progress for {:.1} s while {}: a peer rank is gone or stalled; stopping this rank", a.timeout.as_secs_f64(), a.what);
                 tracing::error!("{msg}");
                 eprintln!("k3-decode: error: {msg}");
                 // SAFETY: ends the process without running destructors (MLX's collective threads

@@ -4,10 +4,7 @@ use anyhow::{bail, Context, Result};
 use mlx_rs::{Array, Dtype};
 
 fn dims(shape: &[usize], what: &str) -> Result<Vec<i32>> {
-    shape
-        .iter()
-        .map(|&d| i32::try_from(d).with_context(|| format!("{what}: dimension {d} exceeds MLX's i32 shape")))
-        .collect()
+    shape.iter().map(|&d| i32::try_from(d).with_context(|| format!("{what}: dimension {d} exceeds MLX's i32 shape"))).collect()
 }
 
 /// An f32 array of `shape` holding a copy of `data`.

@@ -5,5 +5,5 @@ pub mod convert;
 pub mod quant;
 
 pub use convert::{array_f32, array_i32, to_vec_f32};
-pub(crate) use quant::{ensure_error_handler, run_op};
 pub use quant::{dequantize_mxfp4, gather_qmm_mxfp4, quantized_matmul_mxfp4, Mxfp4Array};
+pub(crate) use quant::{ensure_error_handler, run_op};

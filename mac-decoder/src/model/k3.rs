@@ -146,9 +146,8 @@ impl Kda {
         let Some(lb) = la.gate_lower_bound else {
             bail!("layer {l}: linear_attn_config.gate_lower_bound is null; only K3's bounded KDA gate is implemented");
         };
-        let conv = |wl: &mut WeightLoader, p: &str| -> Result<Array> {
-            Ok(wl.layer_f32(l, &format!("self_attn.{p}_conv1d.weight"))?.reshape(&[w as i32, k as i32])?)
-        };
+        let conv =
+            |wl: &mut WeightLoader, p: &str| -> Result<Array> { Ok(wl.layer_f32(l, &format!("self_attn.{p}_conv1d.weight"))?.reshape(&[w as i32, k as i32])?) };
         let a_log = wl.layer_prefix(l, "self_attn.A_log", la.num_heads)?;
         Ok(Kda {
             heads: la.num_heads as i32,
@@ -287,7 +286,7 @@ pub fn kda_chunked(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, sta
         let sl = |a: &Array| -> Result<Array> { Ok(a.try_index((.., c0..c1))?) };
         let (qc, kc, vc, gc, bc) = (sl(q)?, sl(k)?, sl(v)?, sl(g)?, sl(beta)?);
         let gcum = ops::cumsum(&gc, 1, None, None)?; // G, [H, L, D]
-        // exp(G_i − G_j) for j ≤ i (masked to 0 above the diagonal before exponentiating)
+                                                     // exp(G_i − G_j) for j ≤ i (masked to 0 above the diagonal before exponentiating)
         let diff = ops::expand_dims(&gcum, 2)? - ops::expand_dims(&gcum, 1)?; // [H, L, L, D]
         let idx = ops::arange::<_, i32>(None, l, None)?;
         let le = ops::expand_dims(&idx, 1)?.ge(&ops::expand_dims(&idx, 0)?)?; // [L, L], j ≤ i
@@ -396,7 +395,13 @@ impl Mla {
         let mut ctx = Vec::with_capacity(caches.len());
         for (i, cache) in caches.iter_mut().enumerate() {
             let (r0, r1) = (i as i32 * t, (i as i32 + 1) * t);
-            let own = |a: &Array| -> Result<Array> { if b == 1 { Ok(a.clone()) } else { Ok(a.try_index((.., r0..r1))?) } };
+            let own = |a: &Array| -> Result<Array> {
+                if b == 1 {
+                    Ok(a.clone())
+                } else {
+                    Ok(a.try_index((.., r0..r1))?)
+                }
+            };
             let past = cache.rows() as i32;
             // the latent cache, with this call's rows appended: segments [n_i, rank + rope]
             let segs = cache.append(&if b == 1 { latent.clone() } else { latent.try_index(r0..r1)? })?;
@@ -560,13 +565,8 @@ impl LatentMoe {
         sel.eval()?;
         let (e0, e1) = (shard.experts.start as i32, shard.experts.end as i32);
         // (flat selection index, local expert), ordered by expert for the gathered matmul
-        let mut picks: Vec<(i32, i32)> = sel
-            .as_slice::<i32>()
-            .iter()
-            .enumerate()
-            .filter(|(_, &e)| e >= e0 && e < e1)
-            .map(|(i, &e)| (i as i32, e - e0))
-            .collect();
+        let mut picks: Vec<(i32, i32)> =
+            sel.as_slice::<i32>().iter().enumerate().filter(|(_, &e)| e >= e0 && e < e1).map(|(i, &e)| (i as i32, e - e0)).collect();
         if picks.is_empty() {
             return Ok(ops::zeros::<f32>(&[t, lat])?);
         }
@@ -583,7 +583,7 @@ impl LatentMoe {
         let u = gather_qmm_mxfp4(&xs, &self.w3, &local, true)?;
         let y = gather_qmm_mxfp4(&situ.apply(&g, &u)?, &self.w2, &local, true)?.reshape(&[p, lat])?;
         let wp = w.reshape(&[t * k])?.take_axis(&flat, 0)?; // [P]
-        // scatter-add the weighted rows back to their tokens: onehot[t, p] · w_p · y_p
+                                                            // scatter-add the weighted rows back to their tokens: onehot[t, p] · w_p · y_p
         let onehot = ops::arange::<_, i32>(None, t, None)?.reshape(&[t, 1])?.eq(&rows.reshape(&[1, p])?)?;
         let route = onehot.as_dtype(Dtype::Float32)? * wp.reshape(&[1, p])?;
         Ok(route.matmul(&f32(&y)?)?)
@@ -615,12 +615,9 @@ impl DecoderLayer {
         let mut v = vec![&self.input_norm, &self.post_norm, &self.attn_res.score, &self.mlp_res.score];
         match &self.attn {
             Attention::Kda(a) => v.extend([
-                &a.q_proj, &a.k_proj, &a.v_proj, &a.q_conv, &a.k_conv, &a.v_conv, &a.f_a, &a.f_b, &a.dt_bias, &a.a,
-                &a.b_proj, &a.g_proj, &a.o_norm, &a.o_proj,
+                &a.q_proj, &a.k_proj, &a.v_proj, &a.q_conv, &a.k_conv, &a.v_conv, &a.f_a, &a.f_b, &a.dt_bias, &a.a, &a.b_proj, &a.g_proj, &a.o_norm, &a.o_proj,
             ]),
-            Attention::Mla(a) => {
-                v.extend([&a.q_a, &a.q_a_norm, &a.q_b, &a.kv_a, &a.kv_a_norm, &a.w_uk, &a.w_uv_t, &a.g_proj, &a.o_proj])
-            }
+            Attention::Mla(a) => v.extend([&a.q_a, &a.q_a_norm, &a.q_b, &a.kv_a, &a.kv_a_norm, &a.w_uk, &a.w_uv_t, &a.g_proj, &a.o_proj]),
         }
         match &self.ffn {
             Ffn::Dense(d) => v.extend([&d.gate, &d.up, &d.down]),
@@ -681,36 +678,32 @@ impl K3Text {
     /// Loads every text weight; `progress` is called after each layer with (done, total).
     /// With a distributed `group` (decoder ranks) only this rank's routed experts are loaded and
     /// the MoE layers sum the ranks' shares; everything else is replicated.
-    pub fn load(
-        wl: &mut WeightLoader,
-        c: &TextConfig,
-        group: Option<&'static Group>,
-        mut progress: impl FnMut(usize, usize),
-    ) -> Result<Self> {
+    pub fn load(wl: &mut WeightLoader, c: &TextConfig, group: Option<&'static Group>, mut progress: impl FnMut(usize, usize)) -> Result<Self> {
         let h = c.hidden_size;
         let embed = wl.dense(&text_tensor("model.embed_tokens.weight"))?;
         let plan = c.layer_plan();
         let mut layers = Vec::with_capacity(plan.len());
         for (i, spec) in plan.iter().enumerate() {
             let layer = DecoderLayer::load(wl, c, *spec, group)?;
+            // the layer's bytes against the digest (once, as they were read; the embedding with it)
+            wl.check_read()?;
             // materialise derived weights (fused scores, transposes) once, not per forward
             mlx_rs::transforms::eval(layer.arrays())?;
             layers.push(layer);
             progress(i + 1, plan.len());
         }
+        let out_res = AttnRes::load(wl, &text_tensor("model.output_attn_res_norm.weight"), &text_tensor("model.output_attn_res_proj.weight"), h)?;
+        let norm = wl.dense(&text_tensor("model.norm.weight"))?;
+        let lm_head = wl.dense(&text_tensor("lm_head.weight"))?;
+        wl.check_read()?;
         Ok(K3Text {
             config: c.clone(),
             dtype: wl.dtype,
             embed,
             layers,
-            out_res: AttnRes::load(
-                wl,
-                &text_tensor("model.output_attn_res_norm.weight"),
-                &text_tensor("model.output_attn_res_proj.weight"),
-                h,
-            )?,
-            norm: wl.dense(&text_tensor("model.norm.weight"))?,
-            lm_head: wl.dense(&text_tensor("lm_head.weight"))?,
+            out_res,
+            norm,
+            lm_head,
             situ: Situ { beta: c.activation_situ_beta, linear_beta: c.activation_situ_linear_beta },
         })
     }
@@ -734,7 +727,7 @@ impl K3Text {
         let eps = self.config.rms_norm_eps;
         let b = caches.len();
         let rows = x.shape()[0] as usize;
-        if b == 0 || rows % b != 0 {
+        if b == 0 || !rows.is_multiple_of(b) {
             bail!("{rows} input rows do not split evenly over {b} sequences");
         }
         let t = rows / b;

@@ -21,6 +21,8 @@ pub struct WeightLoader<'a> {
     /// The shape of every text tensor but the routed experts, from the one tensor list
     /// (`k3_protocol::tensors`) for the checkpoint's config.
     shapes: HashMap<String, Vec<usize>>,
+    /// Tensors read since the last [`Self::check_read`].
+    read: Vec<String>,
 }
 
 impl<'a> WeightLoader<'a> {
@@ -35,10 +37,24 @@ impl<'a> WeightLoader<'a> {
             .chain(c.layer_plan().into_iter().flat_map(|spec| layer_dense_tensors(c, spec)))
             .map(|t| (t.name, t.shape))
             .collect();
-        WeightLoader { ck, dtype, bytes: 0, shapes }
+        WeightLoader { ck, dtype, bytes: 0, shapes, read: Vec::new() }
     }
 
     /// The shape the tensor list gives `name`.
+    /// Checks the tensors read since the last call against the weight digest the model
+    /// fingerprint is made from (SHA-256, in parallel; `Checkpoint::verify_tensors`): the
+    /// decoder computes with, and labels its states by, a fingerprint its weights were checked
+    /// against. A mismatch (a shard edited in place, a forged digest cache) is an error and the
+    /// cached digest is deleted.
+    pub fn check_read(&mut self) -> Result<()> {
+        let mut names = std::mem::take(&mut self.read);
+        names.sort_unstable();
+        names.dedup();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        self.ck.verify_tensors(&refs).context("checking the weights against the model fingerprint")?;
+        Ok(())
+    }
+
     fn shape(&self, name: &str) -> Result<Vec<usize>> {
         self.shapes.get(name).cloned().with_context(|| format!("{name} is not a dense text tensor of this model"))
     }
@@ -47,6 +63,7 @@ impl<'a> WeightLoader<'a> {
     pub fn dense_f32(&mut self, name: &str) -> Result<Array> {
         let shape = self.shape(name)?;
         let v = self.ck.f32(name, &shape).with_context(|| format!("loading {name}"))?;
+        self.read.push(name.to_string());
         self.bytes += v.len() * 4;
         array_f32(&v, &shape, name)
     }
@@ -59,6 +76,7 @@ impl<'a> WeightLoader<'a> {
         let shape = self.shape(name)?;
         let shape = &shape[..];
         let v = self.ck.tensor(name).with_context(|| format!("loading {name}"))?;
+        self.read.push(name.to_string());
         if v.shape != shape {
             anyhow::bail!("{name}: shape {:?} in {}, expected {shape:?}", v.shape, v.shard);
         }
@@ -89,6 +107,7 @@ impl<'a> WeightLoader<'a> {
     pub fn layer_prefix(&mut self, l: usize, suffix: &str, n: usize) -> Result<Array> {
         let name = layer_tensor(l, suffix);
         let v = self.ck.f32_prefix(&name, n).with_context(|| format!("loading {name}"))?;
+        self.read.push(name.clone());
         array_f32(&v, &[n], &name)
     }
 
@@ -99,13 +118,10 @@ impl<'a> WeightLoader<'a> {
         let mut parts = Vec::with_capacity(experts.len());
         for e in experts {
             let m = self.ck.expert(l, e, w).with_context(|| format!("loading {}", expert_tensor(l, e, w, "weight_packed")))?;
+            self.read.push(expert_tensor(l, e, w, "weight_packed"));
+            self.read.push(expert_tensor(l, e, w, "weight_scale"));
             if m.out_features != out || m.in_features != inp {
-                anyhow::bail!(
-                    "{}: logical shape [{}, {}], expected [{out}, {inp}]",
-                    expert_tensor(l, e, w, "weight_packed"),
-                    m.out_features,
-                    m.in_features
-                );
+                anyhow::bail!("{}: logical shape [{}, {}], expected [{out}, {inp}]", expert_tensor(l, e, w, "weight_packed"), m.out_features, m.in_features);
             }
             parts.push((m.packed, m.scale));
         }

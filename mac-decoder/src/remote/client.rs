@@ -10,16 +10,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use k3_protocol::config::TextConfig;
-use k3_protocol::transport::{
-    NodeConfig, NodeRole, Pairing, PrefillClient, TransferError, TransferEvent, Tuning,
-};
+use k3_protocol::transport::{NodeConfig, NodeRole, Pairing, PrefillClient, TransferError, TransferEvent, Tuning};
 use k3_protocol::wire::{ErrorCode, ImageEmbeddings, PrefillOptions, PrefillRequest, StateLayout};
 
 use crate::decode::{Engine, ImageEmbeds};
-use crate::generate::{GenerateOutput, GenerateParams};
+use crate::decode_loop::{GenerateOutput, GenerateParams};
+use crate::ingest::StagedDelta;
 use crate::remote::conversation::{Conversation, RemotePlan};
 use crate::remote::route::{Outcome, RoutePolicy, Router};
-use crate::ingest::StagedDelta;
 use crate::remote::timing::{CompatibleSource, Route, TurnTiming};
 
 /// How the decoder reaches its prefill node, and when it uses it.
@@ -50,6 +48,9 @@ pub struct RemoteOptions {
     pub chunk_bytes: u32,
     /// QUIC timeouts and windows.
     pub tuning: Tuning,
+    /// The tokio runtime the client's network runs on (`k3-decode serve` gives its own: one
+    /// runtime per process); `None`: the prefiller starts a small one of its own.
+    pub runtime: Option<tokio::runtime::Handle>,
 }
 
 impl RemoteOptions {
@@ -67,6 +68,7 @@ impl RemoteOptions {
             streams: 4,
             chunk_bytes: 1 << 20,
             tuning: Tuning { idle_timeout: Duration::from_secs(15), ..Tuning::default() },
+            runtime: None,
         }
     }
 }
@@ -79,10 +81,27 @@ struct Down {
     compatible_refused: bool,
 }
 
-/// The prefill client of one decoder. Holds a tokio runtime for the network; call it from a
-/// plain thread (the engine's thread), not from inside another tokio runtime.
+/// The runtime a [`RemotePrefiller`] blocks on: the process's ([`RemoteOptions::runtime`]) or
+/// one of its own.
+enum ClientRuntime {
+    Shared(tokio::runtime::Handle),
+    Owned(tokio::runtime::Runtime),
+}
+
+impl ClientRuntime {
+    fn handle(&self) -> &tokio::runtime::Handle {
+        match self {
+            ClientRuntime::Shared(h) => h,
+            ClientRuntime::Owned(rt) => rt.handle(),
+        }
+    }
+}
+
+/// The prefill client of one decoder. Runs its network on a tokio runtime
+/// ([`RemoteOptions::runtime`], else its own); call it from a plain thread (the engine's
+/// thread), not from inside a tokio runtime.
 pub struct RemotePrefiller {
-    rt: tokio::runtime::Runtime,
+    rt: ClientRuntime,
     opts: RemoteOptions,
     /// `Err`: why the node can never be used (pairing), kept for every attempt's fallback reason.
     node_cfg: std::result::Result<NodeConfig, Arc<anyhow::Error>>,
@@ -151,12 +170,21 @@ fn node_config(engine: &Engine, opts: &RemoteOptions) -> Result<NodeConfig> {
 impl RemotePrefiller {
     /// A prefiller for `engine`'s model. Pairing problems do not fail here: every remote attempt
     /// then falls back with the reason.
+    ///
+    /// Measures this decoder's local prefill rate here, at start (a short calibration prefill,
+    /// `RoutePolicy::calibration_tokens`), so that the first routing decision and every
+    /// predicted local time use it instead of the configured default, and no turn's clock pays
+    /// for it.
     pub fn new(engine: &Engine, opts: RemoteOptions) -> Result<RemotePrefiller> {
         let cfg = node_config(engine, &opts).map_err(Arc::new);
         if let Err(e) = &cfg {
             tracing::warn!("the prefill node cannot be used: {e:#}");
         }
-        Self::build(engine, opts, cfg)
+        let mut p = Self::build(engine, opts, cfg)?;
+        if p.node_cfg.is_ok() {
+            p.calibrate(engine);
+        }
+        Ok(p)
     }
 
     /// With an explicit node config (tests: fault hooks, generated identities).
@@ -168,12 +196,17 @@ impl RemotePrefiller {
         if let Ok(cfg) = node_cfg.as_mut() {
             cfg.accept_compatible_states = opts.accept_compatible_states;
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("prefill-client")
-            .enable_all()
-            .build()
-            .context("starting the prefill client's runtime")?;
+        let rt = match &opts.runtime {
+            Some(h) => ClientRuntime::Shared(h.clone()),
+            None => ClientRuntime::Owned(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("prefill-client")
+                    .enable_all()
+                    .build()
+                    .context("starting the prefill client's runtime")?,
+            ),
+        };
         Ok(RemotePrefiller {
             rt,
             node_cfg,
@@ -187,10 +220,10 @@ impl RemotePrefiller {
         })
     }
 
-    /// The flag that cancels the prefill in progress: checked after every event of a remote
-    /// transfer (each layer's data, each progress or heartbeat message), which is then cancelled
-    /// on the node too (its worker stops at the next layer). A cancelled prefill returns
-    /// [`Cancelled`] and does not fall back to a local prefill. `None` removes it.
+    /// The flag that cancels the prefill in progress: checked every 50 ms during a remote
+    /// transfer, which is then cancelled on the node too (its worker stops before its next token
+    /// chunk). A cancelled prefill returns [`Cancelled`] and does not fall back to a local
+    /// prefill. `None` removes it.
     pub fn set_cancel(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
         self.cancel = flag;
     }
@@ -220,7 +253,7 @@ impl RemotePrefiller {
         let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(format!("{e:#}")))?.clone();
         let opts = self.opts.clone();
         let slot = &mut self.client;
-        let r = self.rt.block_on(async {
+        let r = self.rt.handle().block_on(async {
             Self::connect(&opts, &cfg, slot).await?;
             slot.as_mut().expect("connected above").query_cost().await.map_err(classify)
         });
@@ -235,10 +268,12 @@ impl RemotePrefiller {
         })
     }
 
-    /// A first measurement of the local rate: a short prefill on a scratch conversation, after
-    /// an untimed one of a few tokens (a cold engine's first call pays one-time costs — kernel
-    /// compilation, allocation — that later prefills do not, and would inflate the fit's fixed
-    /// term).
+    /// A first measurement of the local rate: a short prefill on a scratch conversation, timed
+    /// on its second run. The first, untimed, run of the same tokens pays what a cold engine pays
+    /// once — kernel compilation, allocation, and the lazy weights (MLX evaluates a dequantized
+    /// expert when a token first reaches it; the same tokens reach the same experts) — which
+    /// later prefills do not (an 8-token warm-up reaches too few experts of a 64-expert model
+    /// to take that cost, and the cold 128-token rate came out several times too slow).
     fn calibrate(&mut self, engine: &Engine) {
         let n = self.router.policy.calibration_tokens;
         if n == 0 || self.router.local_measured() {
@@ -246,15 +281,23 @@ impl RemotePrefiller {
         }
         let vocab = engine.text_config().vocab_size.max(2) as u32;
         let ids: Vec<u32> = (0..n as u32).map(|i| 1 + (i * 7919) % (vocab - 1)).filter(|&t| t != self.media_token).collect();
-        if let Err(e) = Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids[..ids.len().min(8)], None)) {
+        let t = Instant::now();
+        if let Err(e) = Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids, None)) {
             tracing::warn!("local prefill warm-up failed: {e:#}");
         }
+        let cold_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         match Conversation::new(engine).and_then(|mut c| c.prefill_local(engine, &ids, None)) {
             Ok(_) => {
                 let s = t.elapsed().as_secs_f64();
                 self.router.record_local(ids.len() as u64, 0, s);
-                tracing::info!(tokens = ids.len(), seconds = format!("{s:.3}"), tok_per_s = format!("{:.1}", ids.len() as f64 / s), "local prefill rate calibrated");
+                tracing::info!(
+                    tokens = ids.len(),
+                    seconds = format!("{s:.3}"),
+                    tok_per_s = format!("{:.1}", ids.len() as f64 / s),
+                    cold_seconds = format!("{cold_s:.3}"),
+                    "local prefill rate calibrated (the second of two runs)"
+                );
             }
             Err(e) => tracing::warn!("local prefill calibration failed: {e:#}; using the default rate"),
         }
@@ -379,7 +422,6 @@ impl RemotePrefiller {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn local(
         &mut self,
         engine: &Engine,
@@ -437,7 +479,14 @@ impl RemotePrefiller {
     }
 
     /// One remote attempt; on success the conversation holds the new state.
-    fn remote(&mut self, engine: &Engine, conv: &mut Conversation, tokens: &[u32], image: Option<&ImageEmbeds>, timing: &mut TurnTiming) -> std::result::Result<(), Failure> {
+    fn remote(
+        &mut self,
+        engine: &Engine,
+        conv: &mut Conversation,
+        tokens: &[u32],
+        image: Option<&ImageEmbeds>,
+        timing: &mut TurnTiming,
+    ) -> std::result::Result<(), Failure> {
         let cfg = self.node_cfg.as_ref().map_err(|e| Failure::new(format!("{e:#}")))?.clone();
         let plan = conv.plan_remote(tokens, self.media_token)?;
         let image_embeddings = image_rows(engine, &plan, tokens, image)?;
@@ -455,26 +504,61 @@ impl RemotePrefiller {
         let client_slot = &mut self.client;
         let cancel = self.cancel.clone();
         let is_cancelled = move || cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
+        // The queue rule: a request the node has not started (no progress yet) once this
+        // decoder could have prefilled the turn itself is taken back and prefilled here.
+        let queue_limit = queue_limit(self.router.local_s(tokens.len() as u64, conv.session().tokens() as u64));
         let sent_at = Instant::now();
-        let outcome: std::result::Result<Received, (Failure, Severity)> = self.rt.block_on(async {
+        let outcome: std::result::Result<Received, (Failure, Severity)> = self.rt.handle().block_on(async {
             Self::connect(&opts, &cfg, client_slot).await?;
             let client = client_slot.as_mut().expect("connected above");
             let rtt = client.stats().path.rtt;
             let mut transfer = client.prefill(request, &expected).await.map_err(classify)?;
+            let accepted_at = Instant::now();
+            let mut started = false;
             let mut ingest = Duration::ZERO;
             let mut last_layer_done: Option<Instant> = None;
             loop {
-                if is_cancelled() {
-                    transfer.cancel(CANCELLED).await;
-                    return Err((Failure::new(CANCELLED), Severity::Keep));
-                }
-                match transfer.next().await.map_err(classify)? {
+                // The next event, unless the request is abandoned or has waited too long in the
+                // node's queue first (both checked every 50 ms; the transfer is then given up,
+                // so `next` being dropped midway does not matter).
+                let deadline = (!started).then(|| accepted_at + queue_limit);
+                let watch = async {
+                    loop {
+                        if is_cancelled() {
+                            return None;
+                        }
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            return Some(accepted_at.elapsed());
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                };
+                let ev = tokio::select! {
+                    ev = transfer.next() => ev.map_err(classify)?,
+                    waited = watch => {
+                        let Some(waited) = waited else {
+                            transfer.cancel(CANCELLED).await;
+                            return Err((Failure::new(CANCELLED), Severity::Keep));
+                        };
+                        let reason = format!(
+                            "waited {:.1} s in the node's queue, longer than a local prefill of this turn ({:.1} s predicted)",
+                            waited.as_secs_f64(),
+                            queue_limit.as_secs_f64()
+                        );
+                        transfer.cancel(&reason).await;
+                        return Err((Failure::new(reason), Severity::Keep));
+                    }
+                };
+                match ev {
                     Some(TransferEvent::Layer { layer, state }) => {
+                        started = true;
                         let t = Instant::now();
                         staged.stage(layer as usize, &state).map_err(|e| (Failure::from(e.context("staging a layer")), Severity::Reconnect))?;
                         ingest += t.elapsed();
                     }
                     Some(TransferEvent::Progress(p)) => {
+                        // the node started the request (a node sends progress 0 when it does)
+                        started = true;
                         if p.layers_done >= p.layers_total {
                             last_layer_done = Some(Instant::now());
                         }
@@ -532,13 +616,33 @@ impl RemotePrefiller {
 
 impl Drop for RemotePrefiller {
     /// Says goodbye to the node (it would otherwise keep the connection until its idle timeout).
+    /// The goodbye runs as a task of the runtime, waited for at most 2 s outside a runtime: a
+    /// shared runtime may be shutting down (then the task never runs) while the engine drops.
     fn drop(&mut self) {
         if let Some(c) = self.client.take() {
+            let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+            self.rt.handle().spawn(async move {
+                c.close().await;
+                let _ = done_tx.send(());
+            });
             if tokio::runtime::Handle::try_current().is_err() {
-                self.rt.block_on(c.close());
+                let _ = done_rx.recv_timeout(Duration::from_secs(2));
             }
         }
     }
+}
+
+/// The shortest wait in the node's queue that makes a turn fall back (scheduling jitter on a
+/// loaded host must not send short turns local).
+const QUEUE_LIMIT_FLOOR: Duration = Duration::from_secs(2);
+
+/// How long a turn may wait in the node's queue (accepted, not started) before it is taken back
+/// and prefilled locally: its predicted local prefill time, at least [`QUEUE_LIMIT_FLOOR`]. Past
+/// it a local prefill would already be done; the turn then takes at most about twice its local
+/// time, however long the node's queue.
+pub(crate) fn queue_limit(local_s: f64) -> Duration {
+    let s = if local_s > 0.0 { local_s.min(86_400.0) } else { 0.0 }; // NaN: not > 0
+    Duration::from_secs_f64(s).max(QUEUE_LIMIT_FLOOR)
 }
 
 /// What a finished transfer brought.
@@ -651,6 +755,23 @@ pub fn run_turn(
     timing.decode_tokens = out.tokens.len();
     timing.decode_tok_per_s = (!out.tokens.is_empty()).then(|| out.tokens_per_second());
     Ok((out, timing))
+}
+
+#[cfg(test)]
+mod queue_tests {
+    use super::*;
+
+    /// The queue rule: a turn waits in the node's queue at most its predicted local prefill
+    /// time, and never less than the floor (nor forever on a nonsense prediction).
+    #[test]
+    fn a_queued_turn_waits_at_most_its_local_time_and_at_least_the_floor() {
+        assert_eq!(queue_limit(7.5), Duration::from_secs_f64(7.5));
+        assert_eq!(queue_limit(0.1), QUEUE_LIMIT_FLOOR);
+        for bad in [f64::NAN, -1.0, 0.0] {
+            assert_eq!(queue_limit(bad), QUEUE_LIMIT_FLOOR, "{bad}");
+        }
+        assert_eq!(queue_limit(f64::INFINITY), Duration::from_secs(86_400));
+    }
 }
 
 #[cfg(test)]

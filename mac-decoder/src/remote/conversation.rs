@@ -16,7 +16,7 @@ use k3_protocol::handoff::token_prefix_hash;
 use k3_protocol::wire::{BasePrefix, SessionId};
 
 use crate::decode::{Engine, ImageEmbeds, Session};
-use crate::generate::{GenerateOutput, GenerateParams};
+use crate::decode_loop::{GenerateOutput, GenerateParams};
 use crate::ingest::StagedDelta;
 
 /// What the prefill node holds for this conversation.
@@ -47,6 +47,19 @@ pub struct Conversation {
 impl Conversation {
     pub fn new(engine: &Engine) -> Result<Conversation> {
         Ok(Conversation { session: engine.new_session()?, history: Vec::new(), id: SessionId::random(), remote: None, broken: false })
+    }
+
+    /// A conversation holding `tokens` from their state (a session restored from disk): the
+    /// state is checked against the model and must hold exactly `tokens.len()` tokens. The
+    /// prefill node holds nothing of it (a new id).
+    pub fn restore(engine: &Engine, tokens: &[u32], state: &k3_protocol::handoff::HandoffState, logits: Option<Vec<f32>>) -> Result<Conversation> {
+        if state.tokens != tokens.len() {
+            bail!("the state holds {} tokens, {} were given", state.tokens, tokens.len());
+        }
+        let mut c = Conversation::new(engine)?;
+        engine.ingest(&mut c.session, 0, state, logits)?;
+        c.history = tokens.to_vec();
+        Ok(c)
     }
 
     /// The decoder session (its caches and last logits).

@@ -107,19 +107,18 @@ impl Router {
         let remote_s = cost.map(|c| self.remote_s(c, remote.0, remote.1));
         if let Some(min) = self.policy.min_tokens {
             let remote = n as usize >= min;
-            let reason = if remote {
-                format!("{n} new tokens, at least --remote-min-tokens {min}")
-            } else {
-                format!("{n} new tokens, below --remote-min-tokens {min}")
-            };
+            let reason =
+                if remote { format!("{n} new tokens, at least --remote-min-tokens {min}") } else { format!("{n} new tokens, below --remote-min-tokens {min}") };
             return Decision { remote, local_s, remote_s, reason };
         }
         let Some(c) = cost else {
             return Decision { remote: false, local_s, remote_s, reason: "no cost from the prefill node".into() };
         };
-        // A node that has not measured anything yet advertises zeros: until its first request,
-        // route as the fixed threshold did.
-        if c.compute.samples == 0 && c.passes == 0 && c.pass_s == 0.0 {
+        // A node that advertises nothing at all (an older node, or one that could not measure
+        // its start-up rates): route as the fixed threshold did. A fresh node advertises its
+        // predicted cost (`compute.samples` 0), which is routed on like a measured one.
+        let advertised = c.compute.fixed_s > 0.0 || c.compute.per_token_s > 0.0 || c.compute.per_token_ctx_s > 0.0 || c.pass_s > 0.0;
+        if !advertised {
             let remote = n >= 1024;
             let reason = format!("the prefill node has measured nothing yet: {n} new tokens against the default threshold of 1024");
             return Decision { remote, local_s, remote_s, reason };
@@ -127,8 +126,9 @@ impl Router {
         let r = remote_s.unwrap_or(f64::INFINITY);
         let go_remote = r * (1.0 + self.policy.margin) < local_s;
         let local_src = if self.local_measured() { "measured" } else { "default" };
+        let node_src = if c.compute.samples == 0 { ", node cost predicted from its start-up measurements" } else { "" };
         let reason = format!(
-            "predicted remote {r:.3} s (queue {:.3} + max(pass {:.3}, compute {:.3}) + tail {:.3}) vs local {local_s:.3} s ({:.1} tok/s, {local_src}); margin {:.0} %",
+            "predicted remote {r:.3} s (queue {:.3} + max(pass {:.3}, compute {:.3}) + tail {:.3}) vs local {local_s:.3} s ({:.1} tok/s, {local_src}); margin {:.0} %{node_src}",
             c.queue_s,
             c.pass_s,
             c.compute.seconds(remote.0, remote.1),
@@ -202,8 +202,15 @@ mod tests {
         assert!(!r.decide((499, 0), (499, 0), None).remote);
         let r = Router::new(RoutePolicy::default());
         assert!(!r.decide((100_000, 0), (100_000, 0), None).remote, "no cost: local");
-        let fresh = NodeCost::default();
-        assert!(!r.decide((1000, 0), (1000, 0), Some(&fresh)).remote && r.decide((1024, 0), (1024, 0), Some(&fresh)).remote);
+        let silent = NodeCost::default();
+        assert!(!r.decide((1000, 0), (1000, 0), Some(&silent)).remote && r.decide((1024, 0), (1024, 0), Some(&silent)).remote);
+        // A fresh node's predicted cost (no sample measured yet) is routed on: a fast node takes
+        // a 600-token turn, a slow one does not get a 3,000-token one.
+        let fast = NodeCost { compute: RateFit { samples: 0, ..RateFit::flat(20_000.0) }, ..Default::default() };
+        let d = r.decide((600, 0), (600, 0), Some(&fast));
+        assert!(d.remote && d.reason.contains("predicted from its start-up"), "{d:?}");
+        let slow = NodeCost { compute: RateFit { samples: 0, ..RateFit::flat(50.0) }, ..Default::default() };
+        assert!(!r.decide((3000, 0), (3000, 0), Some(&slow)).remote);
     }
 
     #[test]

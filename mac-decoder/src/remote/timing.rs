@@ -98,8 +98,22 @@ fn secs(v: Option<f64>) -> String {
 /// A fixed-width table of turns, one row each, with the reasons for fallbacks below it.
 pub fn format_table(turns: &[TurnTiming]) -> String {
     let head = [
-        "turn", "route", "prompt", "prefill", "context", "remote", "transfer", "tail", "ingest", "local", "1st tok", "decode", "tok/s",
-        "state MB", "pred local", "pred remote",
+        "turn",
+        "route",
+        "prompt",
+        "prefill",
+        "context",
+        "remote",
+        "transfer",
+        "tail",
+        "ingest",
+        "local",
+        "1st tok",
+        "decode",
+        "tok/s",
+        "state MB",
+        "pred local",
+        "pred remote",
     ];
     let mut rows: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     for (i, t) in turns.iter().enumerate() {

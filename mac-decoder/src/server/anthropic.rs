@@ -37,31 +37,20 @@ use axum::Json as AxJson;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::api::{self, ApiError, ChatRequest};
+use super::api::{self, bad, obj, s, ApiError, ChatRequest};
 use super::pipeline::{chat_prompt, content_with_stops, fail, finish_all, now_secs, off_runtime, start_chat, AppState, ChatJob, ChatStep};
+use super::seal::Sealer;
 use crate::chat::parse::{FinishReason, OutputEvent, ToolCall};
 use crate::chat::Json;
-use super::worker::GenEvent;
+use crate::engine::GenEvent;
 
 type R<T> = Result<T, ApiError>;
-
-fn bad(message: impl Into<String>, param: &str) -> ApiError {
-    ApiError::bad_request(message, Some(param))
-}
-
-fn obj(entries: Vec<(&str, Json)>) -> Json {
-    Json::Object(entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-}
-
-fn s(v: impl Into<String>) -> Json {
-    Json::Str(v.into())
-}
 
 /// Thinking effort note for an Anthropic `budget_tokens`.
 fn effort_of_budget(budget: i64) -> &'static str {
     match budget {
         ..=4096 => "low",
-        ..=16384 => "high",
+        4097..=16384 => "high",
         _ => "max",
     }
 }
@@ -106,13 +95,23 @@ fn image_part(b: &Json, place: &str) -> R<Json> {
 
 /// Translates one Anthropic message into OpenAI messages (a user message with `tool_result`
 /// blocks becomes tool messages followed by the rest).
-fn message(i: usize, m: &Json, out: &mut Vec<Json>) -> R<()> {
+fn message(i: usize, m: &Json, out: &mut Vec<Json>, sealer: &Sealer) -> R<()> {
     if m.as_object().is_none() {
         return Err(bad(format!("messages[{i}] must be an object"), "messages"));
     }
     let role = match m.get("role").and_then(Json::as_str) {
         Some(r @ ("user" | "assistant")) => r,
-        Some(other) => return Err(bad(format!("messages[{i}]: unknown role {other:?} (user or assistant; the system prompt is `system`)"), "messages")),
+        // Claude Code sends its environment description as a `system` message inside
+        // `messages`: rendered where it stands, as K3's system message.
+        Some("system") => {
+            let content = match m.get("content") {
+                None | Some(Json::Null) => s(""),
+                Some(c) => text_blocks(c, &format!("messages[{i}].content"))?,
+            };
+            out.push(obj(vec![("role", s("system")), ("content", content)]));
+            return Ok(());
+        }
+        Some(other) => return Err(bad(format!("messages[{i}]: unknown role {other:?} (user, assistant or system)"), "messages")),
         None => return Err(bad(format!("messages[{i}] has no string `role`"), "messages")),
     };
     let blocks = match m.get("content") {
@@ -151,15 +150,18 @@ fn message(i: usize, m: &Json, out: &mut Vec<Json>) -> R<()> {
                     return Err(bad(format!("{place}: a tool_use block needs string `id` and `name`"), "messages"));
                 };
                 let input = b.get("input").filter(|x| x.as_object().is_some()).cloned().unwrap_or(Json::Object(Vec::new()));
-                tool_calls.push(obj(vec![
-                    ("id", s(id)),
-                    ("type", s("function")),
-                    ("function", obj(vec![("name", s(name)), ("arguments", input)])),
-                ]));
+                tool_calls.push(obj(vec![("id", s(id)), ("type", s("function")), ("function", obj(vec![("name", s(name)), ("arguments", input)]))]));
             }
             ("assistant", Some("thinking")) => {
-                if let Some(t) = b.get("thinking").and_then(Json::as_str) {
-                    reasoning.push_str(t);
+                // The signature this server sealed holds the reasoning exactly (also when the
+                // client never saw it: `display: "omitted"`); else the block's own text.
+                match b.get("signature").and_then(Json::as_str).and_then(|sig| sealer.open(sig)) {
+                    Some(t) => reasoning.push_str(&t),
+                    None => {
+                        if let Some(t) = b.get("thinking").and_then(Json::as_str) {
+                            reasoning.push_str(t);
+                        }
+                    }
                 }
             }
             // Nothing to render: the model never wrote it in K3's format.
@@ -187,7 +189,7 @@ fn message(i: usize, m: &Json, out: &mut Vec<Json>) -> R<()> {
 
 /// The OpenAI chat body of a Messages body (`count`: a count_tokens body, which has no
 /// `max_tokens`), and its stop sequences.
-fn translate(v: &Json, count: bool) -> R<(Json, Vec<String>)> {
+fn translate(v: &Json, count: bool, sealer: &Sealer) -> R<(Json, Vec<String>, Shown)> {
     let mut body: Vec<(&str, Json)> = Vec::new();
     if let Some(m) = v.get("model") {
         body.push(("model", m.clone()));
@@ -211,8 +213,9 @@ fn translate(v: &Json, count: bool) -> R<(Json, Vec<String>)> {
         return Err(bad("`messages` must not be empty", "messages"));
     }
     for (i, m) in msgs.iter().enumerate() {
-        message(i, m, &mut messages)?;
+        message(i, m, &mut messages, sealer)?;
     }
+    clear_thinking(v, &mut messages)?;
     body.push(("messages", Json::Array(messages)));
 
     let mut has_tools = false;
@@ -298,6 +301,12 @@ fn translate(v: &Json, count: bool) -> R<(Json, Vec<String>)> {
         },
         Some(_) => return Err(bad("`thinking` must be an object", "thinking")),
     };
+    let shown = match v.get("thinking").and_then(|t| t.get("display")).filter(|d| !d.is_null()) {
+        None => Shown::Summarized,
+        Some(Json::Str(d)) if d == "summarized" => Shown::Summarized,
+        Some(Json::Str(d)) if d == "omitted" => Shown::Omitted,
+        Some(other) => return Err(bad(format!("unknown thinking.display {} (summarized or omitted)", other.dumps_compact()), "thinking")),
+    };
     if thinking && forced {
         return Err(bad("thinking may not be enabled when `tool_choice` forces tool use", "thinking"));
     }
@@ -340,31 +349,88 @@ fn translate(v: &Json, count: bool) -> R<(Json, Vec<String>)> {
             .collect::<R<Vec<_>>>()?,
         Some(_) => return Err(bad("`stop_sequences` must be a list of strings", "stop_sequences")),
     };
-    Ok((obj(body), stops))
+    Ok((obj(body), stops, shown))
+}
+
+/// Whether the reply's thinking text is shown (`display: "summarized"`, the default: K3's
+/// reasoning as is) or left out (`"omitted"`: an empty `thinking` with the sealed signature).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shown {
+    Summarized,
+    Omitted,
+}
+
+/// `context_management.edits`: `clear_thinking_20251015` drops the reasoning of all but the
+/// last `keep` assistant turns (`{"type": "thinking_turns", "value": N}`; `"all"` keeps every
+/// one); other edits (`clear_tool_uses_…`) are accepted and not applied (logged).
+fn clear_thinking(v: &Json, messages: &mut [Json]) -> R<()> {
+    let Some(edits) = v.get("context_management").and_then(|c| c.get("edits")) else { return Ok(()) };
+    let Some(edits) = edits.as_array() else {
+        return Err(bad("`context_management.edits` must be a list", "context_management"));
+    };
+    for e in edits {
+        match e.get("type").and_then(Json::as_str) {
+            Some(t) if t.starts_with("clear_thinking") => {
+                let keep = match e.get("keep") {
+                    None | Some(Json::Null) => 1,
+                    Some(Json::Str(k)) if k == "all" => continue,
+                    Some(k) if k.get("type").and_then(Json::as_str) == Some("thinking_turns") => match k.get("value") {
+                        Some(Json::Int(n)) if *n >= 0 => *n as usize,
+                        _ => return Err(bad("`keep.value` of a clear_thinking edit must be an integer >= 0", "context_management")),
+                    },
+                    Some(other) => return Err(bad(format!("unknown `keep` of a clear_thinking edit: {}", other.dumps_compact()), "context_management")),
+                };
+                let turns: Vec<usize> =
+                    messages.iter().enumerate().filter(|(_, m)| m.get("role").and_then(Json::as_str) == Some("assistant")).map(|(i, _)| i).collect();
+                for &i in &turns[..turns.len().saturating_sub(keep)] {
+                    if let Json::Object(entries) = &mut messages[i] {
+                        entries.retain(|(k, _)| k != "reasoning_content");
+                    }
+                }
+            }
+            other => tracing::debug!(edit = ?other, "context_management edit accepted, not applied"),
+        }
+    }
+    Ok(())
 }
 
 /// A validated Messages request: the chat request it runs as (its stop strings are the
 /// `stop_sequences`).
-pub fn messages_request(v: &Json, served_model: &str, seed_fallback: u64, count: bool) -> R<ChatRequest> {
-    let (body, stops) = translate(v, count)?;
+pub fn messages_request(v: &Json, served_model: &str, seed_fallback: u64, count: bool, sealer: &Sealer) -> R<(ChatRequest, Shown)> {
+    let (body, stops, shown) = translate(v, count, sealer)?;
     let mut req = api::chat_request(&body, served_model, seed_fallback)?;
+    api::check_stops(&stops, api::MAX_STOP_SEQUENCES, "stop_sequences")?;
     req.gen.stop = stops;
-    Ok(req)
+    req.gen.session_key = super::session_key::from_body(v);
+    // `cache_salt` at the top level (as vLLM takes it) or in `metadata`
+    let top = api::cache_salt(v, "cache_salt")?;
+    let inner = match v.get("metadata") {
+        Some(m @ Json::Object(_)) => api::cache_salt(m, "metadata.cache_salt")?,
+        _ => None,
+    };
+    if let (Some(a), Some(b)) = (&top, &inner) {
+        if a != b {
+            return Err(bad("`cache_salt` and `metadata.cache_salt` differ; send one", "cache_salt"));
+        }
+    }
+    req.gen.cache_salt = top.or(inner);
+    Ok((req, shown))
 }
 
 /// `POST /v1/messages`.
-pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn messages(State(st): State<Arc<AppState>>, key: Option<axum::Extension<super::guard::ClientKey>>, body: Bytes) -> Response {
     st.metrics.request("messages");
     let n = st.next_id();
-    let req = match off_runtime({
+    let (mut req, shown) = match off_runtime({
         let st = st.clone();
-        move || messages_request(&api::parse_body(&body)?, &st.model_id, st.seed(n), false)
+        move || messages_request(&api::parse_body(&body)?, &st.model_id, st.seed(n), false, &st.sealer)
     })
     .await
     {
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
+    req.gen.client_key = key.map(|k| k.0 .0);
     let stamp = format!("{:x}{:04x}", now_secs(), n & 0xffff);
     let job = match start_chat(&st, &req, &format!("toolu_{stamp}")).await {
         Ok(j) => j,
@@ -372,9 +438,9 @@ pub async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
     };
     let id = format!("msg_{stamp}");
     if req.gen.stream {
-        stream(st, job, id, req).await
+        stream(st, job, id, req, shown).await
     } else {
-        whole(st, job, id, req).await
+        whole(st, job, id, req, shown).await
     }
 }
 
@@ -383,7 +449,7 @@ pub async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
     st.metrics.request("count_tokens");
     let req = match off_runtime({
         let st = st.clone();
-        move || messages_request(&api::parse_body(&body)?, &st.model_id, 0, true)
+        move || messages_request(&api::parse_body(&body)?, &st.model_id, 0, true, &st.sealer).map(|(r, _)| r)
     })
     .await
     {
@@ -437,10 +503,12 @@ fn usage(job: &ChatJob) -> Value {
         "output_tokens": run.tokens.len(),
         "cache_read_input_tokens": run.reused,
         "cache_creation_input_tokens": 0,
+        // where the prompt first differed from the server's held states (an extension)
+        "prefix_first_difference": run.first_difference,
     })
 }
 
-async fn whole(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest) -> Response {
+async fn whole(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest, shown: Shown) -> Response {
     let finish = match finish_all(&mut job).await {
         Ok(f) => f[0],
         Err(e) => return fail(&st, e),
@@ -449,7 +517,8 @@ async fn whole(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest
     let out = run.parser.output();
     let mut content = Vec::new();
     if !out.reasoning.is_empty() {
-        content.push(json!({"type": "thinking", "thinking": out.reasoning, "signature": ""}));
+        let text = if shown == Shown::Omitted { "" } else { out.reasoning.as_str() };
+        content.push(json!({"type": "thinking", "thinking": text, "signature": st.sealer.seal(&out.reasoning)}));
     }
     let text = content_with_stops(&out.content, &req.gen.stop);
     if !text.is_empty() {
@@ -482,16 +551,29 @@ enum Open {
     Text,
 }
 
-/// Turns parser events into content-block events, one block per run of the same kind.
-#[derive(Default)]
+/// Turns parser events into content-block events, one block per run of the same kind. A
+/// thinking block ends with its sealed signature (`signature_delta`); with `display:
+/// "omitted"` it carries no `thinking_delta` at all.
 struct Blocks {
     next: usize,
     open: Option<Open>,
+    shown: Shown,
+    sealer: Sealer,
+    /// The open thinking block's text (for its signature).
+    reasoning: String,
 }
 
 impl Blocks {
+    fn new(shown: Shown, sealer: Sealer) -> Self {
+        Blocks { next: 0, open: None, shown, sealer, reasoning: String::new() }
+    }
+
     fn close(&mut self, out: &mut Vec<Value>) {
-        if self.open.take().is_some() {
+        if let Some(kind) = self.open.take() {
+            if kind == Open::Thinking {
+                let signature = self.sealer.seal(&std::mem::take(&mut self.reasoning));
+                out.push(json!({"type": "content_block_delta", "index": self.next, "delta": {"type": "signature_delta", "signature": signature}}));
+            }
             out.push(json!({"type": "content_block_stop", "index": self.next}));
             self.next += 1;
         }
@@ -511,7 +593,13 @@ impl Blocks {
             self.open = Some(kind);
         }
         let delta = match kind {
-            Open::Thinking => json!({"type": "thinking_delta", "thinking": text}),
+            Open::Thinking => {
+                self.reasoning.push_str(&text);
+                if self.shown == Shown::Omitted {
+                    return;
+                }
+                json!({"type": "thinking_delta", "thinking": text})
+            }
             Open::Text => json!({"type": "text_delta", "text": text}),
         };
         out.push(json!({"type": "content_block_delta", "index": self.next, "delta": delta}));
@@ -539,11 +627,12 @@ impl Blocks {
     }
 }
 
-async fn stream(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest) -> Response {
+async fn stream(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatRequest, shown: Shown) -> Response {
     let (tx, out_rx) = mpsc::unbounded_channel::<Result<Event, Infallible>>();
     let metrics = st.metrics.clone();
+    let sealer = st.sealer.clone();
     tokio::spawn(async move {
-        let mut blocks = Blocks::default();
+        let mut blocks = Blocks::new(shown, sealer);
         let mut started = false;
         let start = |job: &ChatJob| {
             ev(json!({"type": "message_start", "message": {
@@ -566,6 +655,13 @@ async fn stream(st: Arc<AppState>, mut job: ChatJob, id: String, req: ChatReques
                 Ok(Some(ChatStep::Finished(r, tail))) => {
                     finish = Some(r);
                     tail
+                }
+                Ok(Some(ChatStep::Progress { done, total })) => {
+                    // An SSE comment: every client skips it; the connection shows life.
+                    if tx.send(super::pipeline::progress_comment(done, total)).is_err() {
+                        return;
+                    }
+                    continue;
                 }
                 Ok(None) => Vec::new(),
                 Err(err) => {
@@ -660,6 +756,13 @@ pub async fn reshape_error(resp: Response) -> Response {
         Err(_) => String::from_utf8_lossy(&bytes).trim().to_string(),
     };
     let body = json!({"type": "error", "error": {"type": error_type(status), "message": message}}).to_string();
+    // Overload is Anthropic's 529 `overloaded_error` (clients retry it, after `retry-after`).
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        parts.status = StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    }
+    if matches!(parts.status.as_u16(), 429 | 529) && !parts.headers.contains_key(header::RETRY_AFTER) {
+        parts.headers.insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+    }
     parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     parts.headers.remove(header::CONTENT_LENGTH);
     Response::from_parts(parts, axum::body::Body::from(body))

@@ -8,6 +8,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 use crate::chat::grammar::ReplyShape;
+use crate::chat::json::JsonLimits;
 use crate::chat::render::{response_schema, RenderOptions, THINKING_EFFORTS};
 use crate::chat::Json;
 use crate::sampler::SamplingParams;
@@ -37,10 +38,12 @@ impl ApiError {
         self.code = Some(code);
         self
     }
-    pub fn not_found_model(model: &str) -> Self {
+    /// A request for a model id this server does not serve; the message lists the ids it serves.
+    pub fn not_found_model(model: &str, served: &[&str]) -> Self {
+        let ids: Vec<String> = served.iter().map(|id| format!("`{id}`")).collect();
         ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("The model `{model}` does not exist"),
+            message: format!("The model `{model}` does not exist; this server serves {} (GET /v1/models)", ids.join(", ")),
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
@@ -85,10 +88,59 @@ impl IntoResponse for ApiError {
 
 type R<T> = Result<T, ApiError>;
 
-/// Parses a request body as a JSON object.
+/// A 400 `invalid_request_error` naming `param` (the Messages and Responses translations).
+pub(super) fn bad(message: impl Into<String>, param: &str) -> ApiError {
+    ApiError::bad_request(message, Some(param))
+}
+
+/// A JSON object of `entries`, in order.
+pub(super) fn obj(entries: Vec<(&str, Json)>) -> Json {
+    Json::Object(entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
+
+/// A JSON string.
+pub(super) fn s(v: impl Into<String>) -> Json {
+    Json::Str(v.into())
+}
+
+thread_local! {
+    /// The abandon flag of the request preparation running on this thread ([`abandonable`]).
+    static ABANDONED: std::cell::RefCell<Option<std::sync::Arc<std::sync::atomic::AtomicBool>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (a request's preparation, on a blocking thread) with `flag` as its abandon flag:
+/// raised when the client left, read through [`abandoned`] by the long steps.
+pub(crate) fn abandonable<T>(flag: std::sync::Arc<std::sync::atomic::AtomicBool>, f: impl FnOnce() -> T) -> T {
+    ABANDONED.with(|a| *a.borrow_mut() = Some(flag));
+    let r = f();
+    ABANDONED.with(|a| *a.borrow_mut() = None);
+    r
+}
+
+/// Whether the request whose preparation runs on this thread was abandoned by its client;
+/// false outside that work.
+pub(crate) fn abandoned() -> bool {
+    ABANDONED.with(|a| a.borrow().as_ref().is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// The error of preparation work given up because its client left (nobody reads it; counted
+/// as `client_left`).
+pub(crate) fn abandoned_error() -> ApiError {
+    ApiError {
+        status: StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        message: "the client left".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("client_left"),
+    }
+}
+
+/// Parses a request body as a JSON object, within [`JsonLimits::request`] (keys per object,
+/// items per array, nesting: a body past a cap is refused where the parse reaches it).
 pub fn parse_body(body: &[u8]) -> R<Json> {
     let text = std::str::from_utf8(body).map_err(|_| ApiError::bad_request("the request body is not UTF-8", None))?;
-    let v = Json::parse(text).map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None))?;
+    let v = Json::parse_limited(text, &JsonLimits::request(body.len()))
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}"), None))?;
     if v.as_object().is_none() {
         return Err(ApiError::bad_request("the request body must be a JSON object", None));
     }
@@ -135,7 +187,7 @@ pub fn check_model(v: &Json, served: &str) -> R<String> {
     match opt_str(v, "model")? {
         None => Ok(served.to_string()),
         Some(m) if m == served => Ok(m.to_string()),
-        Some(m) => Err(ApiError::not_found_model(m)),
+        Some(m) => Err(ApiError::not_found_model(m, &[served])),
     }
 }
 
@@ -155,6 +207,85 @@ pub struct GenSettings {
     /// Choices to generate (`n`): one prefill, then each choice decodes from a fork of the
     /// prompt's state with its own sampler seed (`seed + i`).
     pub n: usize,
+    /// The client's conversation key ([`super::session_key`]).
+    pub session_key: Option<String>,
+    /// `cache_salt` (vLLM's field): requests with different salts share no held prompt state.
+    pub cache_salt: Option<String>,
+    /// Which API key the request came with, when the server has several ([`super::guard::ClientKey`]).
+    pub client_key: Option<String>,
+}
+
+/// Longest `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 1024;
+
+/// The request's `cache_salt` at `v[field]`: absent or null → none; else a non-empty string of
+/// at most [`MAX_CACHE_SALT_BYTES`] (400 otherwise: a salt that does not separate is worse than
+/// none).
+pub fn cache_salt(v: &Json, param: &str) -> R<Option<String>> {
+    match v.get("cache_salt") {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Str(s)) if s.is_empty() => Err(ApiError::bad_request(format!("`{param}` must be a non-empty string when given"), Some(param))),
+        Some(Json::Str(s)) if s.len() > MAX_CACHE_SALT_BYTES => {
+            Err(ApiError::bad_request(format!("`{param}` is {} bytes; at most {MAX_CACHE_SALT_BYTES}", s.len()), Some(param)))
+        }
+        Some(Json::Str(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(format!("`{param}` must be a string"), Some(param))),
+    }
+}
+
+impl GenSettings {
+    /// The cache scope of the request ([`cache_scope`]).
+    pub fn cache_scope(&self) -> Option<String> {
+        cache_scope(self.client_key.as_deref(), self.cache_salt.as_deref())
+    }
+}
+
+/// The cache scope (`engine::sessions`) of a request with API key digest `client_key` (set on
+/// a server with several keys) and `cache_salt`: `None` (the shared scope) with neither; else a
+/// digest of both. A request sees only the held prompt states (and stored responses) of its
+/// own scope.
+pub fn cache_scope(client_key: Option<&str>, salt: Option<&str>) -> Option<String> {
+    if client_key.is_none() && salt.is_none() {
+        return None;
+    }
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"k3-offload cache scope v1\n");
+    match client_key {
+        Some(k) => h.update(format!("key {k}\n")),
+        None => h.update(b"no key\n"),
+    }
+    match salt {
+        Some(s) => {
+            h.update(b"salt ");
+            h.update(s.as_bytes());
+        }
+        None => h.update(b"no salt"),
+    }
+    Some(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Most Anthropic `stop_sequences` in one request (OpenAI's `stop` holds at most 4).
+pub const MAX_STOP_SEQUENCES: usize = 16;
+
+/// Refuses stop strings that are too many, empty, or longer than [`MAX_STOP_BYTES`] (matching
+/// costs the stops' length at every token).
+pub fn check_stops(stops: &[String], max: usize, param: &str) -> R<()> {
+    if stops.len() > max {
+        return Err(ApiError::bad_request(format!("`{param}` holds at most {max} strings, got {}", stops.len()), Some(param)));
+    }
+    for (i, s) in stops.iter().enumerate() {
+        if s.is_empty() {
+            return Err(ApiError::bad_request(format!("`{param}[{i}]` is empty; a stop string needs at least one character"), Some(param)));
+        }
+        if s.len() > MAX_STOP_BYTES {
+            return Err(ApiError::bad_request(format!("`{param}[{i}]` is {} bytes; at most {MAX_STOP_BYTES}", s.len()), Some(param)));
+        }
+    }
+    Ok(())
 }
 
 /// Most choices one request may ask for (`n`).
@@ -220,15 +351,11 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_log
         let top = match opt_int(v, "top_logprobs")? {
             None => None,
             Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
-            Some(n) => {
-                return Err(ApiError::bad_request(format!("`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {n}"), Some("top_logprobs")))
-            }
+            Some(n) => return Err(ApiError::bad_request(format!("`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {n}"), Some("top_logprobs"))),
         };
         match opt_bool(v, "logprobs")? {
             Some(true) => Some(top.unwrap_or(0)),
-            _ if top.is_some_and(|t| t > 0) => {
-                return Err(ApiError::bad_request("`top_logprobs` needs `logprobs: true`", Some("top_logprobs")))
-            }
+            _ if top.is_some_and(|t| t > 0) => return Err(ApiError::bad_request("`top_logprobs` needs `logprobs: true`", Some("top_logprobs"))),
             _ => None,
         }
     };
@@ -249,10 +376,56 @@ pub fn gen_settings(v: &Json, default_top_p: f32, seed_fallback: u64, legacy_log
         }
         Some(_) => return Err(ApiError::bad_request("`stop` must be a string or a list of strings", Some("stop"))),
     };
+    check_stops(&stop, 4, "stop")?;
+    // Sampling knobs this server does not apply are refused when out of range (accepting
+    // them silently would hide a client's mistake); `logit_bias` is refused outright.
+    if let Some(m) = opt_num(v, "min_p")? {
+        if !(0.0..=1.0).contains(&m) {
+            return Err(ApiError::bad_request(format!("`min_p` must be in [0, 1], got {m}"), Some("min_p")));
+        }
+        if m != 0.0 {
+            return Err(ApiError::bad_request("`min_p` is not supported (only 0)", Some("min_p")));
+        }
+    }
+    match v.get("logit_bias") {
+        None | Some(Json::Null) => {}
+        Some(Json::Object(o)) if o.is_empty() => {}
+        Some(Json::Object(o)) => {
+            for (k, b) in o {
+                let id_ok = k.parse::<u64>().is_ok_and(|id| id < u32::MAX as u64);
+                let bias_ok = match b {
+                    Json::Int(i) => (-100..=100).contains(i),
+                    Json::Float(f) => f.is_finite() && (-100.0..=100.0).contains(f),
+                    _ => false,
+                };
+                if !id_ok || !bias_ok {
+                    return Err(ApiError::bad_request(
+                        format!("`logit_bias` maps token ids to numbers in [-100, 100]; {k:?}: {} is not one", b.dumps_compact()),
+                        Some("logit_bias"),
+                    ));
+                }
+            }
+            return Err(ApiError::bad_request("`logit_bias` is not supported", Some("logit_bias")));
+        }
+        Some(_) => return Err(ApiError::bad_request("`logit_bias` must be an object of token ids to numbers", Some("logit_bias"))),
+    }
     let return_token_ids = opt_bool(v, "return_token_ids")?.unwrap_or(false);
     let sampling = SamplingParams { greedy: temperature == 0.0, temperature: temperature as f32, top_p: top_p as f32, top_k: top_k as usize, seed };
     sampling.validate().map_err(|e| ApiError::bad_request(e.to_string(), None))?;
-    Ok(GenSettings { stream, include_usage, max_tokens, sampling, stop, return_token_ids, logprobs, n })
+    let cache_salt = cache_salt(v, "cache_salt")?;
+    Ok(GenSettings {
+        stream,
+        include_usage,
+        max_tokens,
+        sampling,
+        stop,
+        return_token_ids,
+        logprobs,
+        n,
+        session_key: super::session_key::from_body(v),
+        cache_salt,
+        client_key: None,
+    })
 }
 
 /// A validated chat request: what to render and how to generate.
@@ -297,18 +470,50 @@ impl ChatRequest {
 /// The prompt of a chat request without images: its segments and ids. (The server renders
 /// requests with images itself: their media blocks need the pre-processed sizes.)
 pub fn render_chat(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest) -> R<(Vec<crate::tokenizer::Segment>, Vec<u32>)> {
+    render_chat_within(tok, req, usize::MAX)
+}
+
+/// [`render_chat`] for a model whose context is `context` tokens: a prompt that does not fit is
+/// refused as soon as the tokenizer passes it ([`encode_prompt`]).
+pub fn render_chat_within(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest, context: usize) -> R<(Vec<crate::tokenizer::Segment>, Vec<u32>)> {
     if !req.images.is_empty() {
         return Err(ApiError::bad_request("requests with images are rendered by the chat endpoint only", Some("messages")));
     }
     let segments = crate::chat::render::render(&req.messages, &req.render).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
-    let ids = tok.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+    let ids = encode_prompt(tok, &segments, context, "messages")?;
     Ok((segments, ids))
+}
+
+/// Tokenizes a prompt for a context of `context` tokens: it stops (400
+/// `context_length_exceeded`) as soon as the ids fill the context, so a prompt far over it costs
+/// at most one tokenizer chunk more than the context; and when the request was abandoned by its
+/// client ([`abandoned`]).
+pub fn encode_prompt(tok: &crate::tokenizer::Tokenizer, segments: &[crate::tokenizer::Segment], context: usize, param: &str) -> R<Vec<u32>> {
+    use crate::tokenizer::BoundedEncodeError as B;
+    let stop = abandoned;
+    tok.encode_segments_bounded(segments, context.saturating_sub(1), &stop).map_err(|e| match e {
+        B::TooMany { at_least, .. } => ApiError::bad_request(
+            format!(
+                "the prompt is more than {} tokens (tokenizing stopped at {at_least}); this model's context is {context} tokens",
+                context.saturating_sub(1)
+            ),
+            Some(param),
+        )
+        .with_code("context_length_exceeded"),
+        B::Stopped => abandoned_error(),
+        B::Failed(e) => ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some(param)),
+    })
 }
 
 /// The render of a chat request as JSON: `{"text", "segments": [[string, is_special], ...],
 /// "ids"}` (`k3-decode render`, `POST /tokenize`).
 pub fn render_json(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest) -> R<serde_json::Value> {
-    let (segments, ids) = render_chat(tok, req)?;
+    render_json_within(tok, req, usize::MAX)
+}
+
+/// [`render_json`] within a context of `context` tokens ([`render_chat_within`]).
+pub fn render_json_within(tok: &crate::tokenizer::Tokenizer, req: &ChatRequest, context: usize) -> R<serde_json::Value> {
+    let (segments, ids) = render_chat_within(tok, req, context)?;
     let text: String = segments.iter().map(|s| s.text.as_str()).collect();
     let segs: Vec<serde_json::Value> = segments.iter().map(|s| serde_json::json!([s.text, s.markup])).collect();
     Ok(serde_json::json!({"text": text, "segments": segs, "ids": ids}))
@@ -360,7 +565,8 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         let Some(entries) = m.as_object() else {
             return Err(ApiError::bad_request(format!("messages[{i}] must be an object"), Some("messages")));
         };
-        let role = m.get("role").and_then(Json::as_str).ok_or_else(|| ApiError::bad_request(format!("messages[{i}] has no string `role`"), Some("messages")))?;
+        let role =
+            m.get("role").and_then(Json::as_str).ok_or_else(|| ApiError::bad_request(format!("messages[{i}] has no string `role`"), Some("messages")))?;
         let role = match role {
             "developer" => "system",
             r @ ("system" | "user" | "assistant" | "tool") => r,
@@ -385,6 +591,9 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
                                 format!("messages[{i}]: images are accepted in user messages only (this one is {role:?})"),
                                 Some("messages"),
                             ));
+                        }
+                        if images.len() == MAX_IMAGES {
+                            return Err(ApiError::bad_request(format!("a request holds at most {MAX_IMAGES} images"), Some("messages")));
                         }
                         let bytes = image_part_bytes(p, ty).map_err(|e| ApiError::bad_request(format!("messages[{i}].content[{j}]: {e}"), Some("messages")))?;
                         images.push(ImageInput { bytes, message: i, part: j });
@@ -416,6 +625,9 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
     let tools = match v.get("tools") {
         None | Some(Json::Null) => None,
         Some(t @ Json::Array(items)) => {
+            if items.len() > MAX_TOOLS {
+                return Err(ApiError::bad_request(format!("`tools` holds {} tools; at most {MAX_TOOLS}", items.len()), Some("tools")));
+            }
             for (i, tool) in items.iter().enumerate() {
                 let name = tool.get("function").and_then(|f| f.get("name")).and_then(Json::as_str);
                 if name.is_none_or(str::is_empty) {
@@ -431,9 +643,7 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         None | Some(Json::Null) => ToolChoice::Auto,
         Some(Json::Str(s)) => match s.as_str() {
             "auto" => ToolChoice::Auto,
-            "required" if !has_tools => {
-                return Err(ApiError::bad_request("`tool_choice` is \"required\" but the request has no tools", Some("tool_choice")))
-            }
+            "required" if !has_tools => return Err(ApiError::bad_request("`tool_choice` is \"required\" but the request has no tools", Some("tool_choice"))),
             "required" => ToolChoice::Required,
             "none" => ToolChoice::None,
             other => return Err(ApiError::bad_request(format!("unknown tool_choice {other:?}"), Some("tool_choice"))),
@@ -506,6 +716,9 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
             ("json_schema".into(), Json::Object(vec![("schema".into(), schema.clone())])),
         ]));
     }
+    if let Some(rf) = &response_format {
+        check_schema(rf)?;
+    }
     if let Some(t) = opt_bool(v, "enable_thinking")? {
         thinking = t;
     }
@@ -533,6 +746,28 @@ pub fn chat_request(v: &Json, served_model: &str, seed_fallback: u64) -> R<ChatR
         placeholders_in_text: false,
     };
     Ok(ChatRequest { model, messages: msgs, render, gen, images, tool_choice, has_tools })
+}
+
+/// Most images one chat request may hold (each runs the vision tower).
+pub const MAX_IMAGES: usize = 16;
+
+/// Most tools one request may declare (OpenAI's limit is 128).
+pub const MAX_TOOLS: usize = 512;
+
+/// A `json_schema` response format's schema must be an object or `true`: `false` accepts no
+/// reply at all, and anything else (`[1,2,3]`, a string) is not a schema (both were taken
+/// before and gave unconstrained output).
+fn check_schema(rf: &Json) -> R<()> {
+    if rf.get("type").and_then(Json::as_str) != Some("json_schema") {
+        return Ok(());
+    }
+    match response_schema(rf) {
+        None | Some(Json::Object(_)) | Some(Json::Bool(true)) => Ok(()),
+        Some(Json::Bool(false)) => Err(ApiError::bad_request("the response schema is `false`, which no reply satisfies", Some("response_format"))),
+        Some(other) => {
+            Err(ApiError::bad_request(format!("the response schema must be a JSON schema object, not {}", other.xtml_type()), Some("response_format")))
+        }
+    }
 }
 
 /// One image of a chat request: the decoded bytes of its data URL and where it was.
@@ -684,4 +919,31 @@ pub fn completion_request(v: &Json, served_model: &str, vocab: usize, seed_fallb
     }
     let gen = gen_settings(v, 1.0, seed_fallback, true)?;
     Ok(CompletionRequest { model, prompt, gen })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    #[test]
+    fn tokenizing_stops_at_the_context_and_when_its_client_left() {
+        let dir = tempfile::tempdir().unwrap();
+        k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), 1024, 3000).unwrap();
+        std::fs::write(dir.path().join("config.json"), r#"{"text_config": {"vocab_size": 1024}}"#).unwrap();
+        let tok = crate::tokenizer::Tokenizer::from_dir(dir.path()).unwrap();
+        // 2 MB: five tokenizer chunks of 400,000 characters
+        let segs = [crate::tokenizer::Segment::text("many words ".repeat(2 << 20 >> 4 << 1))];
+        let whole = encode_prompt(&tok, &segs, usize::MAX, "prompt").unwrap();
+        assert_eq!(whole, tok.encode_segments(&segs).unwrap(), "bounded encoding gives the same ids");
+        // a client that left: the first chunk is the last
+        let e = abandonable(Arc::new(AtomicBool::new(true)), || encode_prompt(&tok, &segs, usize::MAX, "prompt")).unwrap_err();
+        assert_eq!(e.code, Some("client_left"), "{}", e.message);
+        // a context of 1,000 tokens: refused after the first chunk
+        let e = encode_prompt(&tok, &segs, 1000, "prompt").unwrap_err();
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        assert!(e.message.contains("tokenizing stopped at"), "{}", e.message);
+        assert!(abandonable(Arc::new(AtomicBool::new(false)), || encode_prompt(&tok, &segs, usize::MAX, "prompt")).is_ok());
+    }
 }

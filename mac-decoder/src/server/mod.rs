@@ -7,8 +7,9 @@
 //!   ([`anthropic`]), translated onto the same chat pipeline.
 //! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 //!
-//! Generation runs on one engine thread ([`worker`]) behind the [`engine::GenerationEngine`]
-//! trait; requests queue for it. Held session states give prefix reuse across turns.
+//! HTTP only: generation runs on the engine thread of [`crate::engine`] (behind its
+//! [`crate::engine::GenerationEngine`] trait); requests queue for it through
+//! [`crate::engine::EngineHandle`]. Held session states give prefix reuse across turns.
 //!
 //! This module only wires the router: the OpenAI endpoints are in [`openai`], the Anthropic
 //! ones in [`anthropic`], and what both share (server state, admission onto the engine, chat
@@ -16,19 +17,14 @@
 
 pub mod anthropic;
 pub mod api;
-pub mod context;
-pub mod engine;
 pub mod guard;
-pub mod metrics;
-#[cfg(feature = "mlx")]
-pub mod mlx_engine;
+pub mod held_responses;
 pub mod openai;
 pub mod pipeline;
-#[cfg(feature = "mlx")]
-pub mod ranks;
-pub mod sessions;
+pub mod responses;
+pub mod seal;
+pub mod session_key;
 pub mod stop;
-pub mod worker;
 
 use std::sync::Arc;
 
@@ -45,10 +41,12 @@ pub use pipeline::AppState;
 
 /// The router with every endpoint.
 pub fn router(state: Arc<AppState>) -> Router {
-    let guard = Arc::new(guard::Guard::new(state.api_key.as_deref(), state.guard.clone(), state.metrics.clone()));
+    let keys: Vec<&str> = state.api_key.iter().chain(&state.more_api_keys).map(String::as_str).collect();
+    let guard = Arc::new(guard::Guard::with_keys(&keys, state.guard.clone(), state.metrics.clone()));
     let v1 = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model_info))
         .route("/tokenize", post(openai::tokenize))
@@ -82,7 +80,11 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
 }
 
 /// Binds `addr` and serves until the process ends (or `shutdown` resolves).
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-    let header_timeout = state.guard.header_timeout;
-    guard::serve(listener, router(state), header_timeout, std::time::Duration::from_secs(60), shutdown).await
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let limits = state.guard.conn_limits();
+    guard::serve_limited(listener, router(state), limits, std::time::Duration::from_secs(60), shutdown, Default::default()).await
 }

@@ -19,9 +19,8 @@ use super::pipeline::{
     content_with_stops, fail, finish_all, next_event, now_secs, off_runtime, queue_choices, start_chat, AppState, ChatJob, ChatStep, LogprobLog,
 };
 use super::stop::StopStrings;
-use super::worker::GenEvent;
 use crate::chat::parse::{FinishReason, OutputEvent, ToolCall};
-use crate::generate;
+use crate::engine::GenEvent;
 
 fn model_card(st: &AppState) -> Value {
     json!({"id": st.model_id, "object": "model", "created": st.created, "owned_by": "k3-offload", "max_model_len": st.engine.max_context})
@@ -40,10 +39,14 @@ pub(super) async fn models(State(st): State<Arc<AppState>>, headers: axum::http:
     AxJson(json!({"object": "list", "data": [model_card(&st)]}))
 }
 
-pub(super) async fn model_info(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+pub(super) async fn model_info(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
     st.metrics.request("models");
     if id != st.model_id {
-        let resp = fail(&st, ApiError::not_found_model(&id));
+        let resp = fail(&st, ApiError::not_found_model(&id, &[&st.model_id]));
         return if anthropic_client(&headers) { anthropic::reshape_error(resp).await } else { resp };
     }
     if anthropic_client(&headers) {
@@ -64,13 +67,13 @@ pub(super) async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Re
             let strs = v.get("return_token_strs").is_some_and(|b| matches!(b, crate::chat::Json::Bool(true)));
             let mut out = if v.get("messages").is_some() {
                 let req = api::chat_request(&v, &st.model_id, 0)?;
-                api::render_json(&st.tokenizer, &req)?
+                api::render_json_within(&st.tokenizer, &req, st.engine.max_context)?
             } else {
                 match v.get("prompt").and_then(crate::chat::Json::as_str) {
-                    Some(p) => match st.tokenizer.encode(p, true) {
-                        Ok(ids) => json!({"ids": ids}),
-                        Err(e) => return Err(ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt"))),
-                    },
+                    Some(p) => {
+                        let ids = api::encode_prompt(&st.tokenizer, &[crate::tokenizer::Segment::markup(p)], st.engine.max_context, "prompt")?;
+                        json!({"ids": ids})
+                    }
                     None => return Err(ApiError::bad_request("give `messages` (a chat request) or a string `prompt`", Some("prompt"))),
                 }
             };
@@ -108,10 +111,10 @@ fn tool_call_json(t: &ToolCall) -> Value {
     json!({"index": t.index, "id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}})
 }
 
-pub(super) async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+pub(super) async fn chat_completions(State(st): State<Arc<AppState>>, key: Option<axum::Extension<super::guard::ClientKey>>, body: Bytes) -> Response {
     st.metrics.request("chat_completions");
     let n = st.next_id();
-    let req = match off_runtime({
+    let mut req = match off_runtime({
         let st = st.clone();
         move || api::chat_request(&api::parse_body(&body)?, &st.model_id, st.seed(n))
     })
@@ -120,6 +123,7 @@ pub(super) async fn chat_completions(State(st): State<Arc<AppState>>, body: Byte
         Ok(r) => r,
         Err(e) => return fail(&st, e),
     };
+    req.gen.client_key = key.map(|k| k.0 .0);
     let job = match start_chat(&st, &req, &format!("call_{:x}{:04x}", now_secs(), n & 0xffff)).await {
         Ok(j) => j,
         Err(e) => return fail(&st, e),
@@ -136,7 +140,9 @@ pub(super) async fn chat_completions(State(st): State<Arc<AppState>>, body: Byte
 fn job_usage(job: &ChatJob) -> Value {
     let completion = job.runs.iter().map(|r| r.tokens.len()).sum();
     let reasoning = job.runs.iter().map(|r| r.parser.output().reasoning_tokens).sum();
-    usage(job.prompt.len(), completion, job.runs.first().map_or(0, |r| r.reused), reasoning)
+    let mut u = usage(job.prompt.len(), completion, job.runs.first().map_or(0, |r| r.reused), reasoning);
+    u["prompt_tokens_details"]["first_difference"] = json!(job.runs.first().map_or(0, |r| r.first_difference));
+    u
 }
 
 async fn chat_whole(st: Arc<AppState>, mut job: ChatJob, id: String, model: String, gen: GenSettings) -> Response {
@@ -245,6 +251,12 @@ async fn chat_stream(st: Arc<AppState>, mut job: ChatJob, id: String, model: Str
                     send_events(&tx, &at, tail, &mut run.logprobs);
                     Some(if run.stopped_by_string { FinishReason::Stop } else { r })
                 }
+                Ok(Some(ChatStep::Progress { done, total })) => {
+                    if i == 0 && tx.send(super::pipeline::progress_comment(done, total)).is_err() {
+                        return;
+                    }
+                    None
+                }
                 Ok(None) => None,
                 Err(e) => {
                     metrics.error("generation");
@@ -281,19 +293,17 @@ async fn chat_stream(st: Arc<AppState>, mut job: ChatJob, id: String, model: Str
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
 
-pub(super) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+pub(super) async fn completions(State(st): State<Arc<AppState>>, key: Option<axum::Extension<super::guard::ClientKey>>, body: Bytes) -> Response {
     st.metrics.request("completions");
     let n = st.next_id();
-    let (req, prompt) = match off_runtime({
+    let (mut req, prompt) = match off_runtime({
         let st = st.clone();
         move || {
             let v = api::parse_body(&body)?;
             let req = api::completion_request(&v, &st.model_id, st.tokenizer.vocab_size() as usize, st.seed(n))?;
             let prompt = match &req.prompt {
                 Prompt::Ids(ids) => ids.clone(),
-                Prompt::Text(t) => {
-                    st.tokenizer.encode(t, true).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("prompt")))?
-                }
+                Prompt::Text(t) => api::encode_prompt(&st.tokenizer, &[crate::tokenizer::Segment::markup(t.as_str())], st.engine.max_context, "prompt")?,
             };
             Ok((req, prompt))
         }
@@ -303,6 +313,7 @@ pub(super) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) ->
         Ok(x) => x,
         Err(e) => return fail(&st, e),
     };
+    req.gen.client_key = key.map(|k| k.0 .0);
     if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
         if prompt.contains(&pad) {
             return fail(
@@ -352,6 +363,7 @@ pub(super) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) ->
                 run.reused = reused_tokens;
                 Ok((String::new(), None))
             }
+            GenEvent::Progress { .. } => Ok((String::new(), None)),
             GenEvent::Token(e) => {
                 let t = e.token;
                 run.tokens.push(t);
@@ -371,7 +383,7 @@ pub(super) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) ->
                 if !run.stops.hit() {
                     s.push_str(&run.stops.finish());
                 }
-                Ok((s, Some(if finish == generate::LoopEnd::Length && !run.stops.hit() { "length" } else { "stop" })))
+                Ok((s, Some(if finish == crate::engine::LoopEnd::Length && !run.stops.hit() { "length" } else { "stop" })))
             }
             GenEvent::Error(e) => Err(ApiError::internal(format!("generation failed: {e}"))),
         }

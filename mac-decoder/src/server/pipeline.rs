@@ -3,7 +3,7 @@
 //! the engine (context and `max_tokens` checks, one generation per choice), and the chat run that
 //! turns engine events into parsed reply events with stop strings applied.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -13,16 +13,19 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::api::{self, ApiError, ChatRequest, GenSettings};
-use super::metrics::Metrics;
-use super::sessions::MediaKey;
-use super::stop::StopStrings;
-use super::worker::{EngineHandle, GenEvent, GenJob, JobEvents, JobImage, SubmitError};
 use super::guard;
+use super::held_responses::ResponseStore;
+use super::seal::Sealer;
+use super::stop::StopStrings;
+use crate::chat::budget::{ReplyBudget, CLOSE_ALLOWANCE};
 use crate::chat::constrain::Grammars;
 use crate::chat::grammar::{GrammarError, ReplyShape};
 use crate::chat::parse::{FinishReason, OutputEvent, OutputParser};
 use crate::chat::render::render;
-use crate::generate::{self, Emitted};
+use crate::chat::Json;
+use crate::engine::sessions::MediaKey;
+use crate::engine::{Emitted, EngineHandle, GenEvent, GenJob, JobEvents, JobImage, LoopEnd, SubmitError};
+use crate::metrics::Metrics;
 use crate::sampler::TokenConstraint;
 use crate::tokenizer::Tokenizer;
 
@@ -35,6 +38,9 @@ pub struct AppState {
     pub model_id: String,
     /// Required bearer token for `/v1/*`, if set.
     pub api_key: Option<String>,
+    /// Further keys accepted beside `api_key`; with any, every key has its own cache scope
+    /// ([`guard::ClientKey`]).
+    pub more_api_keys: Vec<String>,
     /// Default `max_tokens` of chat completions (bounded by the context).
     pub default_chat_max_tokens: usize,
     /// HTTP hardening of `/v1/*` (see [`guard`]).
@@ -44,11 +50,47 @@ pub struct AppState {
     pub(super) created: u64,
     /// Constrained decoding's view of the tokenizer, built on first use.
     pub(super) grammars: OnceLock<Result<Arc<Grammars>, Arc<GrammarError>>>,
+    /// Seals reasoning for the clients to send back (Responses `encrypted_content`, Messages
+    /// thinking `signature`).
+    pub sealer: Sealer,
+    /// Responses kept for `previous_response_id`.
+    pub responses: ResponseStore,
+    /// `--max-output-tokens`: replies are closed well-formed after this many tokens
+    /// ([`crate::chat::budget::ReplyBudget`]; a constrained reply keeps its own bound).
+    pub max_output_tokens: Option<usize>,
 }
+
+/// An SSE comment saying how far the prefill is (clients ignore comments; a person or a proxy
+/// watching the stream sees the server working through a long prompt).
+pub(super) fn progress_comment(done: usize, total: usize) -> Result<axum::response::sse::Event, std::convert::Infallible> {
+    Ok(axum::response::sse::Event::default().comment(format!("prefill {done}/{total} tokens")))
+}
+
+/// Responses held for `previous_response_id`.
+const HELD_RESPONSES: usize = 256;
+
+/// How many of a prompt's last message boundaries also get a checkpoint.
+const BOUNDARY_CHECKPOINTS: usize = 3;
 
 impl AppState {
     pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, metrics: Arc<Metrics>, model_id: String, api_key: Option<String>) -> Self {
-        AppState { engine, tokenizer, metrics, model_id, api_key, default_chat_max_tokens: 4096, guard: Default::default(), counter: AtomicU64::new(0), created: now_secs(), grammars: OnceLock::new() }
+        let sealer = Sealer::new(&model_id, api_key.as_deref());
+        AppState {
+            engine,
+            tokenizer,
+            metrics,
+            model_id,
+            api_key,
+            more_api_keys: Vec::new(),
+            default_chat_max_tokens: 4096,
+            guard: Default::default(),
+            counter: AtomicU64::new(0),
+            created: now_secs(),
+            grammars: OnceLock::new(),
+            sealer,
+            responses: ResponseStore::new(HELD_RESPONSES),
+            max_output_tokens: None,
+        }
     }
 
     /// A constraint enforcing `shape` (built off the async threads: the first call builds the
@@ -67,10 +109,17 @@ impl AppState {
                 })
                 .clone()
                 .map_err(|e| ApiError::internal(format!("constrained decoding is unavailable: {e}")))?;
-            let c = grammars.constraint(&shape, thinking).map_err(|e| {
+            let refuse = |e: GrammarError| {
                 let param = if matches!(shape, ReplyShape::ToolCalls { .. }) { "tools" } else { "response_format" };
                 ApiError::bad_request(format!("the reply cannot be constrained: {e}"), Some(param))
-            })?;
+            };
+            // With thinking, the first mask is the reasoning's: the reply's own grammar is
+            // checked from its start too, so a reply that cannot begin is a 400 now, not a
+            // failure after the prefill.
+            if thinking {
+                grammars.constraint(&shape, false).map_err(refuse)?;
+            }
+            let c = grammars.constraint(&shape, thinking).map_err(refuse)?;
             Ok(Box::new(c) as Box<dyn TokenConstraint + Send>)
         })
         .await
@@ -107,8 +156,23 @@ pub(super) fn fail(st: &AppState, e: ApiError) -> Response {
 /// Runs a request's CPU-heavy preparation (JSON parsing, base64 and image decoding, rendering,
 /// tokenizing: seconds for a body of tens of MB) on tokio's blocking pool, so a large body does
 /// not hold one of the few async workers that every other request (`/health`, streams) needs.
+///
+/// The work is abandoned when its request is: dropping the returned future (hyper drops the
+/// handler of a connection that closed) raises a flag that [`abandoned`] reads on the blocking
+/// thread, and the long steps check it (between images, between tokenizer chunks), so a client
+/// that leaves does not keep a blocking thread busy for minutes.
+///
+/// [`abandoned`]: api::abandoned
 pub(super) async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("request preparation stopped: {e}")))?
+    struct RaiseOnDrop(Arc<AtomicBool>);
+    impl Drop for RaiseOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    let _raise = RaiseOnDrop(flag.clone());
+    tokio::task::spawn_blocking(move || api::abandonable(flag, f)).await.map_err(|e| ApiError::internal(format!("request preparation stopped: {e}")))?
 }
 
 /// Resolves `max_tokens` against the context and queues the job.
@@ -125,11 +189,8 @@ pub(super) fn start(
         return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
     }
     if prompt.len() >= ctx {
-        return Err(ApiError::bad_request(
-            format!("the prompt is {} tokens; this model's context is {ctx} tokens", prompt.len()),
-            Some("messages"),
-        )
-        .with_code("context_length_exceeded"));
+        return Err(ApiError::bad_request(format!("the prompt is {} tokens; this model's context is {ctx} tokens", prompt.len()), Some("messages"))
+            .with_code("context_length_exceeded"));
     }
     let room = ctx - prompt.len();
     let max_tokens = match gen.max_tokens {
@@ -143,6 +204,15 @@ pub(super) fn start(
         Some(m) => m,
         None => default_max.min(room),
     };
+    // Checkpoints at the ends of the prompt's last messages (besides the prompt's end).
+    let checkpoint_at = match st.tokenizer.special_id(crate::tokenizer::names::END_OF_MSG) {
+        Some(end) => {
+            let mut at: Vec<usize> = prompt.iter().enumerate().filter(|(_, &t)| t == end).map(|(i, _)| i + 1).filter(|&p| p < prompt.len()).collect();
+            at.drain(..at.len().saturating_sub(BOUNDARY_CHECKPOINTS));
+            at
+        }
+        None => Vec::new(),
+    };
     let mut stop_ids = vec![];
     if let Some(i) = st.tokenizer.special_id(crate::tokenizer::names::END_OF_MSG) {
         stop_ids.push(i);
@@ -152,11 +222,26 @@ pub(super) fn start(
     }
     let rx = st
         .engine
-        .submit(GenJob { prompt: prompt.to_vec(), images, max_tokens, sampling: gen.sampling.clone(), stop_ids, constraint, logprobs: gen.logprobs })
+        .submit(GenJob {
+            prompt: prompt.to_vec(),
+            images,
+            max_tokens,
+            sampling: gen.sampling.clone(),
+            stop_ids,
+            constraint,
+            logprobs: gen.logprobs,
+            checkpoint_at,
+            session_key: gen.session_key.clone(),
+            cache_scope: gen.cache_scope(),
+        })
         .map_err(|e| match e {
-            SubmitError::Busy { .. } => {
-                ApiError { status: StatusCode::TOO_MANY_REQUESTS, message: e.to_string(), kind: "invalid_request_error", param: None, code: Some("too_many_tokens") }
-            }
+            SubmitError::Busy { .. } => ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                message: e.to_string(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("too_many_tokens"),
+            },
             e => ApiError::unavailable(e.to_string()),
         })?;
     Ok((rx, max_tokens))
@@ -168,9 +253,12 @@ pub(super) struct ChatRun {
     pub(super) stops: StopStrings,
     pub(super) tokens: Vec<u32>,
     pub(super) reused: usize,
+    /// Where the prompt first differed from every held state (the engine's report).
+    pub(super) first_difference: usize,
     pub(super) stopped_by_string: bool,
     /// Per-token log-probabilities (OpenAI's `logprobs.content` entries), when asked for.
     pub(super) logprobs: Option<LogprobLog>,
+    pub(super) metrics: Arc<Metrics>,
 }
 
 /// Log-probability entries of the generated tokens; `sent` of them went out in stream chunks.
@@ -255,16 +343,24 @@ pub(super) enum ChatStep {
     Events(Vec<OutputEvent>),
     /// The finish reason and the last events (held-back text).
     Finished(FinishReason, Vec<OutputEvent>),
+    /// Prefill progress: `done` of `total` prompt tokens are in (streams say so, so a client
+    /// waiting through a long prefill sees the server working).
+    Progress {
+        done: usize,
+        total: usize,
+    },
 }
 
 impl ChatRun {
     /// Handles one engine event; `None` when the event needs no output.
     pub(super) fn on(&mut self, ev: GenEvent) -> Result<Option<ChatStep>, ApiError> {
         match ev {
-            GenEvent::Prefilled { reused_tokens, .. } => {
+            GenEvent::Prefilled { reused_tokens, first_difference, .. } => {
                 self.reused = reused_tokens;
+                self.first_difference = first_difference;
                 Ok(None)
             }
+            GenEvent::Progress { done, total } => Ok(Some(ChatStep::Progress { done, total })),
             GenEvent::Token(e) => {
                 let t = e.token;
                 self.tokens.push(t);
@@ -282,11 +378,14 @@ impl ChatRun {
             }
             GenEvent::Done { finish, .. } => {
                 let reason = match finish {
-                    generate::LoopEnd::Length => FinishReason::Length,
+                    LoopEnd::Length => FinishReason::Length,
                     _ => FinishReason::Stop,
                 };
                 let tail = self.filter_tail(reason);
-                let r = self.parser.output().finish_reason.unwrap_or(reason);
+                let out = self.parser.output();
+                self.metrics.undeclared_tool_calls.inc_by(out.undeclared_tool_calls.len() as u64);
+                self.metrics.stripped_markers.inc_by(out.stripped_markers as u64);
+                let r = out.finish_reason.unwrap_or(reason);
                 Ok(Some(ChatStep::Finished(r, tail)))
             }
             GenEvent::Error(e) => Err(ApiError::internal(format!("generation failed: {e}"))),
@@ -365,8 +464,7 @@ impl ChatJob {
 /// The next engine event of any open receiver of `events`: `(index, event)`, where the event
 /// is `None` if the engine dropped that channel. `None` when every receiver is closed.
 pub(super) async fn next_event(events: &mut [Option<JobEvents>]) -> Option<(usize, Option<GenEvent>)> {
-    let waiting: Vec<_> =
-        events.iter_mut().enumerate().filter_map(|(i, rx)| rx.as_mut().map(|rx| Box::pin(async move { (i, rx.recv().await) }))).collect();
+    let waiting: Vec<_> = events.iter_mut().enumerate().filter_map(|(i, rx)| rx.as_mut().map(|rx| Box::pin(async move { (i, rx.recv().await) }))).collect();
     if waiting.is_empty() {
         return None;
     }
@@ -394,15 +492,16 @@ pub(super) async fn queue_choices(
         g.sampling.seed = g.sampling.seed.wrapping_add(i as u64);
         // Every choice carries the images: the store keys the prompt's checkpoint by them (a
         // choice that finds it does not run the tower again).
-        let imgs = if i + 1 == n {
-            std::mem::take(&mut images)
-        } else {
-            images.iter().map(|im| JobImage { image: im.image.clone(), key: im.key.clone() }).collect()
-        };
+        let imgs =
+            if i + 1 == n { std::mem::take(&mut images) } else { images.iter().map(|im| JobImage { image: im.image.clone(), key: im.key.clone() }).collect() };
         let (mut rx, _max) = start(st, prompt, imgs, &g, default_max, constraint)?;
         if i == 0 && n > 1 {
             // The prompt state must be in the store before the other choices look for it.
-            match rx.recv().await {
+            let mut ev = rx.recv().await;
+            while let Some(GenEvent::Progress { .. }) = ev {
+                ev = rx.recv().await;
+            }
+            match ev {
                 Some(ev @ GenEvent::Prefilled { .. }) => first = Some(ev),
                 Some(GenEvent::Error(e)) => return Err(ApiError::internal(format!("generation failed: {e}"))),
                 Some(other) => return Err(ApiError::internal(format!("the engine reported {other:?} before the prefill"))),
@@ -422,20 +521,57 @@ pub(super) async fn start_chat(st: &Arc<AppState>, req: &ChatRequest, call_id_pr
     let (prompt, images) = chat_prompt(st, req).await?;
     let n = req.gen.n.max(1);
     let mut constraints = Vec::with_capacity(n);
+    let mut gen = req.gen.clone();
+    // `--max-output-tokens`: a reply longer than the cap is closed well-formed at it (a
+    // constrained one, whose grammar decides its end, keeps the request's own bound).
+    let room = st.engine.max_context.saturating_sub(prompt.len());
+    // Agent clients send a fixed max_tokens whatever the prompt (Claude Code, OpenCode and Qwen
+    // Code: 32,000): a chat reply is bounded by the context left (raw completions still refuse).
+    if let Some(m) = gen.max_tokens.filter(|&m| m > room && room > 0) {
+        tracing::debug!(max_tokens = m, room, "max_tokens above the context left; clamped");
+        gen.max_tokens = Some(room);
+    }
+    let wanted = gen.max_tokens.unwrap_or(st.default_chat_max_tokens).min(room);
+    let budget = st.max_output_tokens.filter(|&cap| cap < wanted && req.reply_shape().is_none());
     for _ in 0..n {
-        constraints.push(match req.reply_shape() {
-            Some(shape) => Some(st.constraint(shape, req.render.thinking).await?),
-            None => None,
+        constraints.push(match (req.reply_shape(), budget) {
+            (Some(shape), _) => Some(st.constraint(shape, req.render.thinking).await?),
+            (None, Some(cap)) => {
+                Some(Box::new(ReplyBudget::half(st.tokenizer.clone(), req.render.thinking, cap).map_err(|e| ApiError::internal(e.to_string()))?)
+                    as Box<dyn TokenConstraint + Send>)
+            }
+            (None, None) => None,
         });
     }
-    let (events, first) = queue_choices(st, &prompt, images, &req.gen, st.default_chat_max_tokens, constraints).await?;
+    if let Some(cap) = budget {
+        gen.max_tokens = Some((cap + CLOSE_ALLOWANCE).min(room.max(1)));
+    }
+    let (events, first) = queue_choices(st, &prompt, images, &gen, st.default_chat_max_tokens, constraints).await?;
+    let declared: Vec<String> = req
+        .render
+        .tools
+        .as_ref()
+        .and_then(Json::as_array)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|t| t.get("function").and_then(|f| f.get("name")).and_then(Json::as_str).map(str::to_string))
+        .collect();
     let mut runs = Vec::with_capacity(n);
     for i in 0..n {
         let prefix = if n > 1 { format!("{call_id_prefix}_{i}") } else { call_id_prefix.to_string() };
         let parser = OutputParser::new(st.tokenizer.clone(), req.render.thinking, prefix).map_err(|e| ApiError::internal(e.to_string()))?;
-        let parser = if req.tool_calls_allowed() { parser } else { parser.without_tool_calls() };
+        let parser = if req.tool_calls_allowed() { parser.with_declared_tools(declared.clone()) } else { parser.without_tool_calls() };
         let logprobs = req.gen.logprobs.map(|_| LogprobLog::new(st.tokenizer.clone()));
-        runs.push(ChatRun { parser, stops: StopStrings::new(req.gen.stop.clone()), tokens: Vec::new(), reused: 0, stopped_by_string: false, logprobs });
+        runs.push(ChatRun {
+            parser,
+            stops: StopStrings::new(req.gen.stop.clone()),
+            tokens: Vec::new(),
+            reused: 0,
+            first_difference: 0,
+            stopped_by_string: false,
+            logprobs,
+            metrics: st.metrics.clone(),
+        });
     }
     if let Some(ev) = first {
         runs[0].on(ev)?;
@@ -464,6 +600,9 @@ pub(super) fn render_chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Ve
             .images
             .iter()
             .map(|im| {
+                if api::abandoned() {
+                    return Err(api::abandoned_error());
+                }
                 let pre = crate::vision::preprocess_bytes(&im.bytes, &media.config)
                     .map_err(|e| ApiError::bad_request(format!("{}: the image cannot be used: {e}", im.place()), Some("messages")))?;
                 let digest: [u8; 32] = {
@@ -473,26 +612,18 @@ pub(super) fn render_chat_prompt(st: &AppState, req: &ChatRequest) -> Result<(Ve
                 Ok((pre, digest))
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        opts.image_prompts = Some(
-            prepared
-                .iter()
-                .map(|(p, _)| crate::chat::render::image_prompt(p.original_size.0 as u32, p.original_size.1 as u32))
-                .collect(),
-        );
+        opts.image_prompts =
+            Some(prepared.iter().map(|(p, _)| crate::chat::render::image_prompt(p.original_size.0 as u32, p.original_size.1 as u32)).collect());
         let pad = media.pad_id;
         let segments = render(&req.messages, &opts).map_err(|e| ApiError::bad_request(e.0, Some("messages")))?;
-        let ids = st.tokenizer.encode_segments(&segments).map_err(|e| ApiError::bad_request(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+        let ids = api::encode_prompt(&st.tokenizer, &segments, st.engine.max_context, "messages")?;
         let counts: Vec<usize> = prepared.iter().map(|(p, _)| p.num_tokens()).collect();
         let expanded = crate::vision::expand_media_ids(&ids, pad, &counts)
             .map_err(|e| ApiError::bad_request(format!("placing the images in the prompt: {e}"), Some("messages")))?;
-        let images = prepared
-            .into_iter()
-            .zip(expanded.image_spans)
-            .map(|((image, digest), span)| JobImage { image, key: MediaKey { span, digest } })
-            .collect();
+        let images = prepared.into_iter().zip(expanded.image_spans).map(|((image, digest), span)| JobImage { image, key: MediaKey { span, digest } }).collect();
         return Ok((expanded.ids, images));
     }
-    let (_, prompt) = api::render_chat(&st.tokenizer, req)?;
+    let (_, prompt) = api::render_chat_within(&st.tokenizer, req, st.engine.max_context)?;
     if let Some(pad) = st.engine.media.as_ref().map(|m| m.pad_id) {
         if prompt.contains(&pad) {
             return Err(ApiError::bad_request("the prompt holds a media pad token but no image", Some("messages")));

@@ -85,12 +85,6 @@ pub trait VisionEncoder {
     /// Runs one pre-processed image.
     fn encode(&self, img: &PreprocessedImage) -> Result<ImageFeatures, VisionError> {
         let t = self.encode_trace(img)?;
-        Ok(ImageFeatures {
-            rows: t.rows,
-            dim: self.vision_config().text_hidden_size,
-            data: t.output,
-            grid_thw: img.grid_thw,
-            original_size: img.original_size,
-        })
+        Ok(ImageFeatures { rows: t.rows, dim: self.vision_config().text_hidden_size, data: t.output, grid_thw: img.grid_thw, original_size: img.original_size })
     }
 }

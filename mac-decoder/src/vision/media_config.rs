@@ -61,15 +61,9 @@ pub fn tower_bytes_per_patch(v: &k3_protocol::VisionConfig) -> usize {
     floats * 4 * 3 / 2
 }
 
-/// Memory the vision tower may use: `K3_VISION_MEMORY_BYTES` if set, else half the memory
-/// available now ([`crate::memory::budget`]), else `None` (unbounded).
-pub fn vision_memory_budget() -> Option<u64> {
-    crate::memory::budget("K3_VISION_MEMORY_BYTES")
-}
-
 /// The attention score block of the tower for a memory budget: a sixteenth of the budget,
 /// between 1 MiB and [`ATTN_SCORE_BYTES`] (the latter when unbounded). A machine (or a
-/// `K3_VISION_MEMORY_BYTES`) with little memory attends in smaller blocks rather than refusing
+/// `--vision-memory-bytes`) with little memory attends in smaller blocks rather than refusing
 /// every image.
 pub fn attention_score_bytes(budget: Option<u64>) -> usize {
     budget.map_or(ATTN_SCORE_BYTES, |b| (b / 16).clamp(1 << 20, ATTN_SCORE_BYTES as u64) as usize)
@@ -143,14 +137,19 @@ impl MediaProcConfig {
         MediaProcConfig { patch_size: v.patch_size, merge_kernel_size: v.merge_kernel_size[0], ..Self::k3_default() }
     }
 
-    /// [`Self::load_unbounded`] with [`Self::memory_patch_limit`] set from this machine's memory
-    /// ([`vision_memory_budget`]).
-    pub fn load(dir: &Path, v: &k3_protocol::VisionConfig) -> Result<Self, MediaConfigError> {
-        let mut cfg = Self::load_unbounded(dir, v)?;
-        let budget = vision_memory_budget();
-        cfg.memory_patch_limit = memory_patch_limit(v, budget);
-        cfg.attention_score_bytes = attention_score_bytes(budget);
-        Ok(cfg)
+    /// [`Self::load_unbounded`] with [`Self::memory_patch_limit`] and
+    /// [`Self::attention_score_bytes`] set for the vision memory `budget` (bytes; `None`:
+    /// unbounded). The commands take it from `--vision-memory-bytes`, else half the memory
+    /// available at start ([`crate::memory::budget`]).
+    pub fn load(dir: &Path, v: &k3_protocol::VisionConfig, budget: Option<u64>) -> Result<Self, MediaConfigError> {
+        Ok(Self::load_unbounded(dir, v)?.bounded(v, budget))
+    }
+
+    /// This config with the limits of the vision memory `budget` (bytes; `None`: unbounded).
+    pub fn bounded(mut self, v: &k3_protocol::VisionConfig, budget: Option<u64>) -> Self {
+        self.memory_patch_limit = memory_patch_limit(v, budget);
+        self.attention_score_bytes = attention_score_bytes(budget);
+        self
     }
 
     /// Reads `<dir>/preprocessor_config.json` when present, else [`Self::for_vision`].
@@ -159,8 +158,7 @@ impl MediaProcConfig {
         if !path.exists() {
             return Ok(Self::for_vision(v));
         }
-        let text = std::fs::read_to_string(&path)
-            .map_err(|source| MediaConfigError::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| MediaConfigError::Io { path: path.display().to_string(), source })?;
         let invalid = |e| MediaConfigError::Invalid { path: path.display().to_string(), source: Box::new(e) };
         let cfg = Self::from_json(&text).map_err(invalid)?;
         if cfg.patch_size != v.patch_size || cfg.merge_kernel_size != v.merge_kernel_size[0] || v.merge_kernel_size[0] != v.merge_kernel_size[1] {
@@ -246,9 +244,7 @@ impl RawMediaProcCfg {
         }
         let merge = match &self.merge_kernel_size {
             serde_json::Value::Number(n) => n.as_u64().ok_or(MediaConfigError::MergeNotInteger)? as usize,
-            serde_json::Value::Array(a) if a.len() == 2 && a[0] == a[1] => {
-                a[0].as_u64().ok_or(MediaConfigError::MergeNotIntegers)? as usize
-            }
+            serde_json::Value::Array(a) if a.len() == 2 && a[0] == a[1] => a[0].as_u64().ok_or(MediaConfigError::MergeNotIntegers)? as usize,
             other => return Err(MediaConfigError::MergeShape(other.to_string())),
         };
         let transparent_bg = match self.transparent_bg_config {

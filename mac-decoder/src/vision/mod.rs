@@ -21,14 +21,14 @@ pub mod encoder;
 pub mod media_config;
 pub mod positions;
 pub mod preprocess;
+#[cfg(feature = "mlx")]
+pub mod projector;
 pub mod prompt;
 pub mod reference;
 pub mod resample;
-pub mod weights;
-#[cfg(feature = "mlx")]
-pub mod projector;
 #[cfg(feature = "mlx")]
 pub mod tower;
+pub mod weights;
 
 use k3_protocol::{Checkpoint, VisionConfig};
 
@@ -47,10 +47,16 @@ pub struct ReferenceEncoder {
 }
 
 impl ReferenceEncoder {
-    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults).
+    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults),
+    /// bounded by half the memory available now ([`crate::memory::budget`]).
     pub fn load(ck: &Checkpoint, eps: NormEps) -> Result<Self, VisionError> {
+        Self::load_bounded(ck, eps, crate::memory::budget(None, 0))
+    }
+
+    /// The same for a vision memory `budget` in bytes (`--vision-memory-bytes`; `None`: unbounded).
+    pub fn load_bounded(ck: &Checkpoint, eps: NormEps, budget: Option<u64>) -> Result<Self, VisionError> {
         let weights = VisionWeights::load(ck)?;
-        let media = MediaProcConfig::load(ck.dir(), &weights.cfg).map_err(|e| VisionError::Config(e.to_string()))?;
+        let media = MediaProcConfig::load(ck.dir(), &weights.cfg, budget).map_err(|e| VisionError::Config(e.to_string()))?;
         Ok(ReferenceEncoder { weights, media, eps })
     }
 }
@@ -76,10 +82,7 @@ pub fn encode_image_bytes(model: &dyn VisionEncoder, bytes: &[u8]) -> Result<Ima
 /// The rows of several images, concatenated in prompt order, as the MLX engine takes them
 /// (row k replaces the k-th `<|media_pad|>` of the expanded prompt).
 pub fn image_embeds(features: &[ImageFeatures]) -> ImageEmbeds {
-    ImageEmbeds {
-        rows: features.iter().map(|f| f.rows).sum(),
-        data: features.iter().flat_map(|f| f.data.iter().copied()).collect(),
-    }
+    ImageEmbeds { rows: features.iter().map(|f| f.rows).sum(), data: features.iter().flat_map(|f| f.data.iter().copied()).collect() }
 }
 
 /// The MLX tower and projector as a [`VisionEncoder`].
@@ -99,19 +102,19 @@ impl MlxVisionEncoder {
     pub fn new(weights: &VisionWeights, media: MediaProcConfig, eps: NormEps) -> Result<Self, VisionError> {
         let mut tower = tower::VisionTower::new(weights)?;
         tower.set_attention_score_bytes(media.attention_score_bytes);
-        Ok(MlxVisionEncoder {
-            tower,
-            projector: projector::Projector::new(weights)?,
-            cfg: weights.cfg.clone(),
-            media,
-            eps,
-        })
+        Ok(MlxVisionEncoder { tower, projector: projector::Projector::new(weights)?, cfg: weights.cfg.clone(), media, eps })
     }
 
-    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults).
+    /// Loads the vision weights and `preprocessor_config.json` (or the published defaults),
+    /// bounded by half the memory available now ([`crate::memory::budget`]).
     pub fn load(ck: &Checkpoint, eps: NormEps) -> Result<Self, VisionError> {
+        Self::load_bounded(ck, eps, crate::memory::budget(None, 0))
+    }
+
+    /// The same for a vision memory `budget` in bytes (`--vision-memory-bytes`; `None`: unbounded).
+    pub fn load_bounded(ck: &Checkpoint, eps: NormEps, budget: Option<u64>) -> Result<Self, VisionError> {
         let weights = VisionWeights::load(ck)?;
-        let media = MediaProcConfig::load(ck.dir(), &weights.cfg).map_err(|e| VisionError::Config(e.to_string()))?;
+        let media = MediaProcConfig::load(ck.dir(), &weights.cfg, budget).map_err(|e| VisionError::Config(e.to_string()))?;
         Self::new(&weights, media, eps)
     }
 
@@ -133,9 +136,7 @@ impl VisionEncoder for MlxVisionEncoder {
     fn encode_trace(&self, img: &PreprocessedImage) -> Result<VisionTrace, VisionError> {
         let t = self.tower.forward(img, self.eps)?;
         let out = self.projector.forward(&t.merged)?;
-        let v = |a: &mlx_rs::Array, what: &str| {
-            crate::mlx::to_vec_f32(a).map_err(|e| VisionError::Mlx(format!("reading {what}: {e:#}")))
-        };
+        let v = |a: &mlx_rs::Array, what: &str| crate::mlx::to_vec_f32(a).map_err(|e| VisionError::Mlx(format!("reading {what}: {e:#}")));
         let [_, gh, gw] = img.grid_thw;
         let rows = gh * gw / (self.cfg.merge_kernel_size[0] * self.cfg.merge_kernel_size[1]);
         Ok(VisionTrace {

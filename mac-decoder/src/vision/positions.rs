@@ -47,8 +47,7 @@ pub fn interpolate_pos_emb(table: &[f32], in_h: usize, in_w: usize, d: usize, h:
 /// `ω_i = 10000^(−4i / head_dim)` (f32, as the reference builds them).
 pub fn rope_2d(h: usize, w: usize, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
-    let freqs: Vec<f32> =
-        (0..head_dim / 4).map(|i| 1.0 / 10000f32.powf((4 * i) as f32 / head_dim as f32)).collect();
+    let freqs: Vec<f32> = (0..head_dim / 4).map(|i| 1.0 / 10000f32.powf((4 * i) as f32 / head_dim as f32)).collect();
     let mut cos = Vec::with_capacity(h * w * half);
     let mut sin = Vec::with_capacity(h * w * half);
     for r in 0..h {

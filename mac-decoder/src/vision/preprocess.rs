@@ -56,14 +56,7 @@ fn navit_plan(w: usize, h: usize, cfg: &MediaProcConfig, in_patch_limit: usize) 
     let pad_h = (factor - new_h % factor) % factor;
     let (gh, gw) = ((new_h + pad_h) / p, (new_w + pad_w) / p);
     let m = cfg.merge_kernel_size;
-    ResizePlan {
-        new_width: new_w,
-        new_height: new_h,
-        pad_width: pad_w,
-        pad_height: pad_h,
-        grid_thw: [1, gh, gw],
-        num_tokens: (gh / m) * (gw / m),
-    }
+    ResizePlan { new_width: new_w, new_height: new_h, pad_width: pad_w, pad_height: pad_h, grid_thw: [1, gh, gw], num_tokens: (gh / m) * (gw / m) }
 }
 
 /// The resize rule of the reference processor: apply the budgets; while the padded token
@@ -117,9 +110,7 @@ pub fn decode(bytes: &[u8]) -> Result<Image8, PreprocessError> {
     if bytes.len() > MAX_ENCODED_BYTES {
         return Err(PreprocessError::TooLarge(bytes.len()));
     }
-    let reader = ImageReader::new(std::io::Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| PreprocessError::Format(e.to_string()))?;
+    let reader = ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| PreprocessError::Format(e.to_string()))?;
     match reader.format() {
         Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
         Some(f) => return Err(PreprocessError::Format(format!("{f:?}"))),
@@ -128,15 +119,9 @@ pub fn decode(bytes: &[u8]) -> Result<Image8, PreprocessError> {
     let (w, h) = reader.into_dimensions().map_err(|e| PreprocessError::Decode(e.to_string()))?;
     // into_dimensions consumed the reader; start again for the pixels.
     if w == 0 || h == 0 || (w as u64) * (h as u64) > MAX_DECODED_PIXELS {
-        return Err(PreprocessError::BadSize {
-            w: w as u64,
-            h: h as u64,
-            msg: format!("outside 1..={MAX_DECODED_PIXELS} pixels"),
-        });
+        return Err(PreprocessError::BadSize { w: w as u64, h: h as u64, msg: format!("outside 1..={MAX_DECODED_PIXELS} pixels") });
     }
-    let mut reader = ImageReader::new(std::io::Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| PreprocessError::Format(e.to_string()))?;
+    let mut reader = ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| PreprocessError::Format(e.to_string()))?;
     let mut limits = image::Limits::default();
     limits.max_image_width = Some(w);
     limits.max_image_height = Some(h);
@@ -150,17 +135,18 @@ pub fn decode(bytes: &[u8]) -> Result<Image8, PreprocessError> {
         DynamicImage::ImageRgba8(b) => Image8::new(w, h, 4, b.into_raw()),
         DynamicImage::ImageRgb16(b) => Image8::new(w, h, 3, high_byte(b.as_raw())),
         DynamicImage::ImageRgba16(b) => Image8::new(w, h, 4, high_byte(b.as_raw())),
-        DynamicImage::ImageLuma16(b) => {
-            Image8::new(w, h, 3, b.as_raw().iter().flat_map(|&x| [(x >> 8) as u8; 3]).collect())
-        }
+        DynamicImage::ImageLuma16(b) => Image8::new(w, h, 3, b.as_raw().iter().flat_map(|&x| [(x >> 8) as u8; 3]).collect()),
         DynamicImage::ImageLumaA16(b) => Image8::new(
             w,
             h,
             4,
-            b.as_raw().chunks_exact(2).flat_map(|p| {
-                let (l, a) = ((p[0] >> 8) as u8, (p[1] >> 8) as u8);
-                [l, l, l, a]
-            }).collect(),
+            b.as_raw()
+                .chunks_exact(2)
+                .flat_map(|p| {
+                    let (l, a) = ((p[0] >> 8) as u8, (p[1] >> 8) as u8);
+                    [l, l, l, a]
+                })
+                .collect(),
         ),
         other if other.color().has_alpha() => Image8::new(w, h, 4, other.to_rgba8().into_raw()),
         other => Image8::new(w, h, 3, other.to_rgb8().into_raw()),
@@ -177,7 +163,11 @@ pub fn fill_background(img: &Image8, bg: &BgPattern) -> Image8 {
             let b = match *bg {
                 BgPattern::Chessboard { square, white_top_left, white, gray } => {
                     let odd = ((y / square as usize) + (x / square as usize)) % 2 == 1;
-                    if odd == white_top_left { gray } else { white }
+                    if odd == white_top_left {
+                        gray
+                    } else {
+                        white
+                    }
                 }
                 BgPattern::Solid(v) => v,
             } as f32;
@@ -255,13 +245,7 @@ pub fn preprocess_image(img: &Image8, cfg: &MediaProcConfig) -> Result<Preproces
         }
     }
     debug_assert_eq!((hp, wp), (nh + plan.pad_height, nw + plan.pad_width));
-    Ok(PreprocessedImage {
-        pixel_values,
-        grid_thw: plan.grid_thw,
-        patch_size: p,
-        original_size: (img.width, img.height),
-        plan,
-    })
+    Ok(PreprocessedImage { pixel_values, grid_thw: plan.grid_thw, patch_size: p, original_size: (img.width, img.height), plan })
 }
 
 /// Decode and pre-process encoded image bytes.

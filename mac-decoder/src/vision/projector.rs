@@ -3,9 +3,9 @@
 
 use mlx_rs::{fast, nn, Array};
 
+use super::encoder::VisionError;
 use super::tower::linear;
 use super::weights::VisionWeights;
-use super::encoder::VisionError;
 use crate::mlx::array_f32;
 
 pub struct Projector {

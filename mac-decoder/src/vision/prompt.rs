@@ -44,11 +44,7 @@ pub fn image_prompt_text(width: usize, height: usize, pads: usize) -> String {
 pub fn render_image_placeholders(text: &str, placeholder: &str, sizes: &[(usize, usize)]) -> Result<String, PromptError> {
     let parts: Vec<&str> = text.split(placeholder).collect();
     if parts.len() - 1 != sizes.len() {
-        return Err(PromptError::CountMismatch {
-            what: placeholder.to_string(),
-            found: parts.len() - 1,
-            expected: sizes.len(),
-        });
+        return Err(PromptError::CountMismatch { what: placeholder.to_string(), found: parts.len() - 1, expected: sizes.len() });
     }
     let mut out = String::with_capacity(text.len() + sizes.len() * 64);
     out.push_str(parts[0]);
@@ -65,13 +61,6 @@ pub struct ExpandedIds {
     pub ids: Vec<u32>,
     /// For image i, the positions of its pads in `ids` (contiguous).
     pub image_spans: Vec<Range<usize>>,
-}
-
-impl ExpandedIds {
-    /// All pad positions in prompt order (the k-th takes the k-th feature row).
-    pub fn pad_positions(&self) -> impl Iterator<Item = usize> + '_ {
-        self.image_spans.iter().flat_map(|r| r.clone())
-    }
 }
 
 /// Expands each single `pad_id` into `token_counts[i]` pads (image i = the i-th pad).

@@ -3,10 +3,10 @@
 
 use rayon::prelude::*;
 
+use super::encoder::{NormEps, VisionError, VisionTrace};
 use super::positions::{interpolate_pos_emb, rope_2d};
 use super::preprocess::PreprocessedImage;
 use super::weights::VisionWeights;
-use super::encoder::{NormEps, VisionError, VisionTrace};
 
 /// `x · Wᵀ` for `x [m, k]` and `w [n, k]` (the checkpoint's `[out, in]` layout).
 pub fn matmul_t(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {

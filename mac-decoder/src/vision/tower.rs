@@ -5,11 +5,11 @@
 
 use mlx_rs::{fast, nn, ops, Array};
 
+use super::encoder::{NormEps, VisionError};
 use super::positions::{interpolate_pos_emb, rope_2d};
+use super::preprocess::PreprocessedImage;
 use super::reference::check_input;
 use super::weights::VisionWeights;
-use super::encoder::{NormEps, VisionError};
-use super::preprocess::PreprocessedImage;
 use crate::mlx::array_f32;
 
 type R<T> = Result<T, VisionError>;
@@ -24,7 +24,7 @@ fn arr(data: &[f32], shape: &[usize], what: &str) -> R<Array> {
 
 /// `x · Wᵀ` for a checkpoint weight `W[out, in]`.
 pub(super) fn linear(x: &Array, w: &Array, what: &str) -> R<Array> {
-    mlx(x.matmul(&w.t()), what)
+    mlx(x.matmul(w.t()), what)
 }
 
 struct Block {

@@ -56,10 +56,7 @@ impl VisionWeights {
         }
         Ok(VisionWeights {
             patch_embed: ck.f32("vision_tower.patch_embed.proj.weight", &[d, 3, p, p])?,
-            pos_emb: ck.f32(
-                "vision_tower.patch_embed.pos_emb.weight",
-                &[cfg.init_pos_emb_height, cfg.init_pos_emb_width, d],
-            )?,
+            pos_emb: ck.f32("vision_tower.patch_embed.pos_emb.weight", &[cfg.init_pos_emb_height, cfg.init_pos_emb_width, d])?,
             blocks,
             final_norm: ck.f32("vision_tower.encoder.final_layernorm.weight", &[d])?,
             proj0: ck.f32("mm_projector.proj.0.weight", &[m, m])?,
@@ -87,8 +84,7 @@ impl VisionWeights {
         let t = cfg.text_hidden_size;
         let patch_embed = mat(d, 3 * p * p, &mut rng);
         let std = Normal::new(0.0f32, 1.0).unwrap();
-        let pos_emb =
-            (0..cfg.init_pos_emb_height * cfg.init_pos_emb_width * d).map(|_| bf16(std.sample(&mut rng))).collect();
+        let pos_emb = (0..cfg.init_pos_emb_height * cfg.init_pos_emb_width * d).map(|_| bf16(std.sample(&mut rng))).collect();
         let blocks = (0..cfg.vt_num_hidden_layers)
             .map(|_| BlockWeights {
                 norm0: gain(d, &mut rng),

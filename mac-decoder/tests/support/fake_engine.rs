@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use mac_decoder::server::engine::{GenerationEngine, PrefillReport};
+use mac_decoder::engine::{GenerationEngine, PrefillReport};
 
 /// The fake engine's script: the whole reply to a prompt.
 type Responder = Box<dyn Fn(&[u32]) -> Vec<u32> + Send>;
@@ -40,13 +40,7 @@ pub struct FakeSession {
 }
 
 impl FakeEngine {
-    pub fn new(
-        vocab: usize,
-        max_context: usize,
-        reply_marker: Vec<u32>,
-        stop_id: u32,
-        responder: impl Fn(&[u32]) -> Vec<u32> + Send + 'static,
-    ) -> Self {
+    pub fn new(vocab: usize, max_context: usize, reply_marker: Vec<u32>, stop_id: u32, responder: impl Fn(&[u32]) -> Vec<u32> + Send + 'static) -> Self {
         FakeEngine {
             vocab,
             max_context,

@@ -11,9 +11,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use fake_engine::FakeEngine;
-use mac_decoder::server::engine::GenerationEngine;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
+use mac_decoder::engine::GenerationEngine;
+use mac_decoder::engine::{EngineHandle, StoreOptions};
+use mac_decoder::metrics::Metrics;
 use mac_decoder::server::{router, AppState};
 use mac_decoder::tokenizer::Tokenizer;
 
@@ -58,7 +58,7 @@ where
 #[cfg(feature = "mlx")]
 pub fn mlx_state(model: &std::path::Path) -> AppState {
     use mac_decoder::decode::EngineOptions;
-    use mac_decoder::server::mlx_engine::MlxEngine;
+    use mac_decoder::engine::mlx_engine::MlxEngine;
     let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
     let model = model.to_path_buf();
     app_state(move || MlxEngine::load(&model, EngineOptions::default(), 0), StoreOptions::default(), tok, "tiny")
@@ -83,4 +83,36 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .and_then(|l| l.split_whitespace().nth(1))
         .map(|v| v.parse().unwrap())
         .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+}
+
+/// A JSON `body` POSTed to `http://{addr}{path}` (60 s timeout): the status and the answer
+/// (parsed, or as a string when it is not JSON).
+pub async fn post_json(addr: SocketAddr, path: &str, body: String) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(body)
+        .timeout(std::time::Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+}
+
+/// About `bytes` of text in words of 2–10 random lowercase letters (xorshift from `seed`),
+/// separated by spaces and now and then a newline: every word new work for the tokenizer.
+pub fn varied_words(bytes: usize, seed: u64) -> String {
+    let mut x = seed | 1;
+    let mut text = String::with_capacity(bytes + 16);
+    while text.len() < bytes {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = 2 + (x % 9) as usize;
+        text.extend((0..len).map(|k| (b'a' + ((x >> (5 * k)) % 26) as u8) as char));
+        text.push(if x.is_multiple_of(7) { '\n' } else { ' ' });
+    }
+    text
 }

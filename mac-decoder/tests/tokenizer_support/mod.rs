@@ -34,8 +34,7 @@ pub fn byte_order() -> Vec<u8> {
 
 /// Base-token bytes by rank (163,584 of them).
 pub fn ranks() -> Vec<Vec<u8>> {
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(data_dir().join("partial_vocab.json")).unwrap()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(data_dir().join("partial_vocab.json")).unwrap()).unwrap();
     let mut ranks: Vec<Option<Vec<u8>>> = vec![None; N_BASE];
     for (i, b) in byte_order().into_iter().enumerate() {
         ranks[i] = Some(vec![b]);
@@ -49,20 +48,11 @@ pub fn ranks() -> Vec<Vec<u8>> {
             ranks[id] = Some(bytes);
         }
     }
-    ranks
-        .into_iter()
-        .enumerate()
-        .map(|(r, t)| t.unwrap_or_else(|| vec![0xF8, 0xF8, (r >> 16) as u8, (r >> 8) as u8, r as u8]))
-        .collect()
+    ranks.into_iter().enumerate().map(|(r, t)| t.unwrap_or_else(|| vec![0xF8, 0xF8, (r >> 16) as u8, (r >> 8) as u8, r as u8])).collect()
 }
 
 pub fn named_specials() -> BTreeMap<u32, String> {
-    cases()["named_specials"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.parse().unwrap(), v.as_str().unwrap().to_string()))
-        .collect()
+    cases()["named_specials"].as_object().unwrap().iter().map(|(k, v)| (k.parse().unwrap(), v.as_str().unwrap().to_string())).collect()
 }
 
 /// The shared test tokenizer (built once per test binary).

@@ -91,13 +91,7 @@ impl SynthOptions {
     }
 
     pub fn write_options(&self) -> WriteOptions {
-        WriteOptions {
-            seed: self.seed,
-            max_shard_bytes: self.max_shard_bytes,
-            progress: self.progress,
-            tokenizer: self.tokenizer,
-            weights: self.weights,
-        }
+        WriteOptions { seed: self.seed, max_shard_bytes: self.max_shard_bytes, progress: self.progress, tokenizer: self.tokenizer, weights: self.weights }
     }
 }
 
@@ -139,14 +133,7 @@ pub fn write_checkpoint(out: &Path, cfg: &K3Config, w: &WriteOptions) -> Result<
         tokenizer::write_tokenizer(out, cfg.text_config.vocab_size, cfg.text_config.max_position_embeddings)?;
     }
     let specs = all_tensors(cfg);
-    let mut report = SynthReport {
-        dir: out.to_path_buf(),
-        config: cfg.clone(),
-        shards: Vec::new(),
-        tensors: specs.len(),
-        bytes: 0,
-        seconds: 0.0,
-    };
+    let mut report = SynthReport { dir: out.to_path_buf(), config: cfg.clone(), shards: Vec::new(), tensors: specs.len(), bytes: 0, seconds: 0.0 };
     if w.weights {
         if w.max_shard_bytes == 0 {
             return Err(SynthError::Invalid("max_shard_bytes must be > 0".into()));
@@ -161,8 +148,8 @@ pub fn write_checkpoint(out: &Path, cfg: &K3Config, w: &WriteOptions) -> Result<
         );
         report.bytes = shards::write_shards(out, &specs, &plans, w.seed, w.progress)?;
         // The index goes last: a checkpoint interrupted mid-write does not look complete.
-        let index = serde_json::to_string_pretty(&shards::index_json(&specs, &plans)).expect("JSON value serialises");
-        write_file(&out.join("model.safetensors.index.json"), index.as_bytes())?;
+        let index = out.join(crate::checkpoint::writer::INDEX_FILE);
+        crate::checkpoint::writer::write_index(out, &shards::weight_map(&specs, &plans), report.bytes).map_err(|e| SynthError::io(&index, e))?;
         report.shards = plans.into_iter().map(|p| p.file).collect();
     }
     report.seconds = t0.elapsed().as_secs_f64();

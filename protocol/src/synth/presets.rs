@@ -40,10 +40,7 @@ impl Preset {
 impl std::str::FromStr for Preset {
     type Err = SynthError;
     fn from_str(s: &str) -> Result<Self, SynthError> {
-        Preset::ALL
-            .into_iter()
-            .find(|p| p.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
+        Preset::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s)).ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
     }
 }
 
@@ -230,13 +227,8 @@ pub fn release_quantization_config() -> QuantizationConfig {
         observer_kwargs: Some(serde_json::json!({})),
         zp_dtype: None,
     };
-    let group = QuantGroup {
-        format: Some("mxfp4-pack-quantized".into()),
-        targets: vec!["Linear".into()],
-        weights,
-        input_activations: None,
-        output_activations: None,
-    };
+    let group =
+        QuantGroup { format: Some("mxfp4-pack-quantized".into()), targets: vec!["Linear".into()], weights, input_activations: None, output_activations: None };
     QuantizationConfig {
         quant_method: "compressed-tensors".into(),
         format: "mxfp4-pack-quantized".into(),

@@ -1,11 +1,10 @@
 //! Streaming safetensors shards. The tensor list is planned first (shard boundaries by a size
 //! limit, each shard's header with its data offsets), so every shard's header is written
 //! before its data; then the tensors are generated batch by batch on the rayon pool and written
-//! in order by one writer thread. Memory stays bounded by a few batches, whatever the model size.
+//! in order by one writer thread through [`crate::checkpoint::writer::ShardWriter`]. Memory
+//! stays bounded by a few batches, whatever the model size.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -13,6 +12,7 @@ use rayon::prelude::*;
 
 use super::weights::{self, Unit};
 use super::SynthError;
+use crate::checkpoint::writer::{shard_file_name, ShardWriter};
 use crate::tensors::TensorSpec;
 
 /// Output bytes per generation batch: 8 MiB per rayon thread, at least 32 MiB (the pipeline
@@ -26,45 +26,14 @@ type Batch = Vec<Vec<(usize, Vec<u8>)>>;
 /// Units per batch at most.
 const BATCH_UNITS: usize = 512;
 
-/// One planned shard: which tensors it holds and its header bytes.
+/// One planned shard: which tensors it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardPlan {
     pub file: String,
     /// Tensors `first..end` of the planned list.
     pub first: usize,
     pub end: usize,
-    /// The 8-byte length prefix and the JSON header, padded with spaces to a multiple of 8.
-    pub header: Vec<u8>,
     pub data_bytes: u64,
-}
-
-/// Shard file name in the release convention.
-pub fn shard_file_name(i: usize, n: usize) -> String {
-    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
-}
-
-/// The safetensors header of `specs` laid out back to back, in order.
-pub fn header_bytes(specs: &[TensorSpec]) -> Vec<u8> {
-    let mut json = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
-    let mut off = 0usize;
-    for s in specs {
-        let end = off + s.nbytes();
-        let shape: Vec<String> = s.shape.iter().map(|d| d.to_string()).collect();
-        json.push_str(&format!(
-            ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{off},{end}]}}",
-            serde_json::to_string(&s.name).expect("a string serialises"),
-            s.dtype.name(),
-            shape.join(",")
-        ));
-        off = end;
-    }
-    json.push('}');
-    while (8 + json.len()) % 8 != 0 {
-        json.push(' ');
-    }
-    let mut out = (json.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(json.as_bytes());
-    out
 }
 
 /// Splits the tensor list into shards of at most `max_bytes` of data each (a tensor larger than
@@ -86,29 +55,18 @@ pub fn plan_shards(specs: &[TensorSpec], max_bytes: u64) -> Vec<ShardPlan> {
         ranges.push((first, specs.len(), bytes));
     }
     let n = ranges.len();
-    ranges
-        .into_iter()
-        .enumerate()
-        .map(|(k, (first, end, data_bytes))| ShardPlan {
-            file: shard_file_name(k, n),
-            first,
-            end,
-            header: header_bytes(&specs[first..end]),
-            data_bytes,
-        })
-        .collect()
+    ranges.into_iter().enumerate().map(|(k, (first, end, data_bytes))| ShardPlan { file: shard_file_name(k, n), first, end, data_bytes }).collect()
 }
 
-/// `model.safetensors.index.json` for a plan.
-pub fn index_json(specs: &[TensorSpec], plans: &[ShardPlan]) -> serde_json::Value {
+/// The index's weight map of a plan (every tensor's shard file).
+pub fn weight_map(specs: &[TensorSpec], plans: &[ShardPlan]) -> BTreeMap<String, String> {
     let mut map = BTreeMap::new();
     for p in plans {
         for s in &specs[p.first..p.end] {
             map.insert(s.name.clone(), p.file.clone());
         }
     }
-    let total: u64 = plans.iter().map(|p| p.data_bytes).sum();
-    serde_json::json!({ "metadata": { "total_size": total }, "weight_map": map })
+    map
 }
 
 fn progress_bar(total: u64, show: bool) -> ProgressBar {
@@ -117,80 +75,50 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     }
     let pb = ProgressBar::new(total);
     pb.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
-        )
-        .expect("valid template"),
+        ProgressStyle::with_template("{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}").expect("valid template"),
     );
     pb
 }
 
-struct OpenShard {
-    idx: usize,
-    file: BufWriter<File>,
-    written: u64,
-}
-
 /// The writer side: receives generated pieces in file order and appends them to the shards.
-fn write_pieces(
-    dir: &Path,
-    specs: &[TensorSpec],
-    plans: &[ShardPlan],
-    rx: std::sync::mpsc::Receiver<Batch>,
-    pb: &ProgressBar,
-) -> Result<(), SynthError> {
+fn write_pieces(dir: &Path, specs: &[TensorSpec], plans: &[ShardPlan], rx: std::sync::mpsc::Receiver<Batch>, pb: &ProgressBar) -> Result<(), SynthError> {
     let mut shard_of = vec![0usize; specs.len()];
     for (k, p) in plans.iter().enumerate() {
         shard_of[p.first..p.end].iter_mut().for_each(|x| *x = k);
     }
-    let mut cur: Option<OpenShard> = None;
-    let finish = |s: OpenShard| -> Result<(), SynthError> {
-        let path = dir.join(&plans[s.idx].file);
-        if s.written != plans[s.idx].data_bytes {
-            return Err(SynthError::Invalid(format!(
-                "internal: shard {} got {} data bytes, planned {}",
-                plans[s.idx].file, s.written, plans[s.idx].data_bytes
-            )));
-        }
-        // Flushed, not fsynced: these are test models, and the page cache keeps writing fast.
-        s.file.into_inner().map(drop).map_err(|e| SynthError::io(&path, e.into_error()))
+    let mut cur: Option<(usize, ShardWriter)> = None;
+    // Flushed, not fsynced: these are test models, and the page cache keeps writing fast.
+    let finish = |w: ShardWriter| -> Result<(), SynthError> {
+        let path = w.path().to_path_buf();
+        w.finish(false).map(drop).map_err(|e| SynthError::io(&path, e))
     };
     for batch in rx {
         for pieces in batch {
             for (spec, bytes) in pieces {
                 let k = shard_of[spec];
-                if cur.as_ref().map(|c| c.idx) != Some(k) {
-                    if let Some(c) = cur.take() {
-                        finish(c)?;
+                if cur.as_ref().map(|c| c.0) != Some(k) {
+                    if let Some((_, w)) = cur.take() {
+                        finish(w)?;
                     }
                     let path = dir.join(&plans[k].file);
                     pb.set_message(plans[k].file.clone());
-                    let f = File::create(&path).map_err(|e| SynthError::io(&path, e))?;
-                    let mut file = BufWriter::with_capacity(8 << 20, f);
-                    file.write_all(&plans[k].header).map_err(|e| SynthError::io(&path, e))?;
-                    cur = Some(OpenShard { idx: k, file, written: 0 });
+                    let w = ShardWriter::create(&path, &specs[plans[k].first..plans[k].end]).map_err(|e| SynthError::io(&path, e))?;
+                    cur = Some((k, w));
                 }
-                let c = cur.as_mut().expect("opened above");
-                c.file.write_all(&bytes).map_err(|e| SynthError::io(&dir.join(&plans[k].file), e))?;
-                c.written += bytes.len() as u64;
+                let (_, w) = cur.as_mut().expect("opened above");
+                w.write(&bytes).map_err(|e| SynthError::io(&dir.join(&plans[k].file), e))?;
                 pb.inc(bytes.len() as u64);
             }
         }
     }
-    if let Some(c) = cur.take() {
-        finish(c)?;
+    if let Some((_, w)) = cur.take() {
+        finish(w)?;
     }
     Ok(())
 }
 
 /// Generates and writes every shard of the plan. Returns the number of data bytes written.
-pub fn write_shards(
-    dir: &Path,
-    specs: &[TensorSpec],
-    plans: &[ShardPlan],
-    seed: u64,
-    show_progress: bool,
-) -> Result<u64, SynthError> {
+pub fn write_shards(dir: &Path, specs: &[TensorSpec], plans: &[ShardPlan], seed: u64, show_progress: bool) -> Result<u64, SynthError> {
     let total: u64 = plans.iter().map(|p| p.data_bytes).sum();
     let pb = progress_bar(total, show_progress);
     let units = weights::units(specs);
@@ -214,8 +142,7 @@ pub fn write_shards(
     let result = std::thread::scope(|scope| {
         let writer = scope.spawn(|| write_pieces(dir, specs, plans, rx, &pb));
         for r in batches {
-            let done: Batch =
-                units[r].par_iter().map(|u: &Unit| weights::generate(specs, seed, u)).collect();
+            let done: Batch = units[r].par_iter().map(|u: &Unit| weights::generate(specs, seed, u)).collect();
             if tx.send(done).is_err() {
                 break; // the writer failed; its error is reported below
             }

@@ -82,11 +82,7 @@ pub struct SpecialTokens {
 
 impl SpecialTokens {
     pub fn for_vocab(vocab: usize) -> Result<Self, SynthError> {
-        let (slots, table): (usize, &[(u32, &str, bool)]) = if vocab >= RELEASE_LAYOUT_MIN_VOCAB {
-            (256, &RELEASE_SPECIALS)
-        } else {
-            (24, &COMPACT_SPECIALS)
-        };
+        let (slots, table): (usize, &[(u32, &str, bool)]) = if vocab >= RELEASE_LAYOUT_MIN_VOCAB { (256, &RELEASE_SPECIALS) } else { (24, &COMPACT_SPECIALS) };
         if vocab < 256 + slots || vocab > u32::MAX as usize {
             return Err(SynthError::VocabTooSmall { vocab, slots });
         }
@@ -186,8 +182,7 @@ pub fn bpe_ranks(n_base: usize) -> Vec<Vec<u8>> {
     for p in pretokenize(CORPUS.as_bytes()) {
         *counts.entry(p).or_default() += 1;
     }
-    let mut words: Vec<(Vec<u32>, u64)> =
-        counts.into_iter().map(|(w, c)| (w.iter().map(|b| index[&vec![*b]]).collect(), c)).collect();
+    let mut words: Vec<(Vec<u32>, u64)> = counts.into_iter().map(|(w, c)| (w.iter().map(|b| index[&vec![*b]]).collect(), c)).collect();
     words.sort();
     while tokens.len() < n_base {
         let mut pairs: HashMap<(u32, u32), u64> = HashMap::new();
@@ -319,9 +314,8 @@ mod tests {
         }
         let mut parts: Vec<Vec<u8>> = piece.iter().map(|b| vec![*b]).collect();
         loop {
-            let best = (0..parts.len().saturating_sub(1))
-                .filter_map(|i| index.get(&[parts[i].as_slice(), parts[i + 1].as_slice()].concat()).map(|&r| (r, i)))
-                .min();
+            let best =
+                (0..parts.len().saturating_sub(1)).filter_map(|i| index.get(&[parts[i].as_slice(), parts[i + 1].as_slice()].concat()).map(|&r| (r, i))).min();
             let Some((_, i)) = best else { break };
             let joined = [parts[i].as_slice(), parts[i + 1].as_slice()].concat();
             parts[i] = joined;
@@ -375,10 +369,7 @@ mod tests {
     fn special_layouts() {
         let t = SpecialTokens::for_vocab(1024).unwrap();
         assert_eq!((t.base, t.bos(), t.eos(), t.pad(), t.media_pad()), (1000, 1000, 1002, 1023, 1005));
-        assert_eq!(
-            (t.id("<|media_begin|>"), t.id("<|media_content|>"), t.id("<|media_end|>")),
-            (Some(1006), Some(1007), Some(1008))
-        );
+        assert_eq!((t.id("<|media_begin|>"), t.id("<|media_content|>"), t.id("<|media_end|>")), (Some(1006), Some(1007), Some(1008)));
         let r = SpecialTokens::for_vocab(163840).unwrap();
         assert_eq!((r.base, r.bos(), r.eos(), r.pad(), r.media_pad()), (163584, 163584, 163586, 163839, 163605));
         assert_eq!((r.id("<|open|>"), r.id("<|sep|>"), r.id("<osagent_mode>"), r.id("[UNK]")), (Some(163587), Some(163589), Some(163649), Some(163838)));

@@ -48,19 +48,13 @@ pub fn units(specs: &[TensorSpec]) -> Vec<Unit> {
         match s.init {
             Init::Mxfp4Packed | Init::Mxfp4Scale => {
                 let (base, o, n) = expert_geometry(s);
-                let pair = specs.get(i + 1).filter(|t| {
-                    s.init == Init::Mxfp4Packed && t.init == Init::Mxfp4Scale && expert_geometry(t) == (base.clone(), o, n)
-                });
+                let pair = specs.get(i + 1).filter(|t| s.init == Init::Mxfp4Packed && t.init == Init::Mxfp4Scale && expert_geometry(t) == (base.clone(), o, n));
                 if pair.is_some() {
                     out.push(Unit::Expert { packed: Some(i), scale: Some(i + 1) });
                     i += 2;
                     continue;
                 }
-                let u = if s.init == Init::Mxfp4Packed {
-                    Unit::Expert { packed: Some(i), scale: None }
-                } else {
-                    Unit::Expert { packed: None, scale: Some(i) }
-                };
+                let u = if s.init == Init::Mxfp4Packed { Unit::Expert { packed: Some(i), scale: None } } else { Unit::Expert { packed: None, scale: Some(i) } };
                 out.push(u);
             }
             _ => {
@@ -81,9 +75,7 @@ pub fn unit_bytes(specs: &[TensorSpec], u: &Unit) -> usize {
             let n = s.numel().saturating_sub(chunk * CHUNK_ELEMS).min(CHUNK_ELEMS);
             n * s.dtype.size()
         }
-        Unit::Expert { packed, scale } => {
-            packed.map_or(0, |i| specs[i].nbytes()) + scale.map_or(0, |i| specs[i].nbytes())
-        }
+        Unit::Expert { packed, scale } => packed.map_or(0, |i| specs[i].nbytes()) + scale.map_or(0, |i| specs[i].nbytes()),
     }
 }
 

@@ -75,10 +75,7 @@ pub fn parse_added_tokens(text: &str, origin: &str) -> Result<BTreeMap<u32, Stri
     let dec = dec.as_object().ok_or_else(|| bad("added_tokens_decoder is not an object".into()))?;
     for (k, entry) in dec {
         let id: u32 = k.parse().map_err(|_| bad(format!("added_tokens_decoder key {k:?} is not a token id")))?;
-        let name = entry
-            .get("content")
-            .and_then(|c| c.as_str())
-            .ok_or_else(|| bad(format!("added_tokens_decoder[{k:?}] has no string `content`")))?;
+        let name = entry.get("content").and_then(|c| c.as_str()).ok_or_else(|| bad(format!("added_tokens_decoder[{k:?}] has no string `content`")))?;
         if name.is_empty() {
             return Err(bad(format!("added_tokens_decoder[{k:?}] has an empty name")));
         }
@@ -94,8 +91,7 @@ pub fn config_vocab_size(path: &Path) -> Result<Option<u32>, TokenizerError> {
     }
     let origin = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::Io { file: origin.clone(), source: e })?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| TokenizerError::Config { file: origin.clone(), why: format!("not JSON: {e}") })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| TokenizerError::Config { file: origin.clone(), why: format!("not JSON: {e}") })?;
     let n = v.get("text_config").and_then(|t| t.get("vocab_size")).or_else(|| v.get("vocab_size"));
     match n {
         None => Ok(None),
@@ -115,8 +111,7 @@ pub fn config_special_ids(path: &Path) -> Result<Vec<(&'static str, u32)>, Token
     }
     let origin = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::Io { file: origin.clone(), source: e })?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| TokenizerError::Config { file: origin.clone(), why: format!("not JSON: {e}") })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| TokenizerError::Config { file: origin.clone(), why: format!("not JSON: {e}") })?;
     let mut out = Vec::new();
     for key in ["eos_token_id", "media_placeholder_token_id"] {
         let n = v.get(key).or_else(|| v.get("text_config").and_then(|t| t.get(key)));

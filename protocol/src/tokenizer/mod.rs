@@ -55,6 +55,18 @@ pub enum TokenizerError {
     MissingSpecial(&'static str),
 }
 
+/// Why [`Tokenizer::encode_segments_bounded`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum BoundedEncodeError {
+    /// Past the limit after `chunks` chunks (`at_least` ids so far).
+    #[error("the text is at least {at_least} tokens, more than {limit}")]
+    TooMany { at_least: usize, limit: usize, chunks: usize },
+    #[error("tokenizing was stopped")]
+    Stopped,
+    #[error(transparent)]
+    Failed(TokenizerError),
+}
+
 /// A piece of a prompt with its encoding mode (spec K3_CHAT §2.1): markup is encoded with
 /// special tokens recognised, everything else (tag names, attribute values, all message text)
 /// without, so content can never forge structure.
@@ -108,11 +120,9 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let ranks_path = dir.join("tiktoken.model");
         let cfg_path = dir.join("tokenizer_config.json");
-        let ranks_text = std::fs::read_to_string(&ranks_path)
-            .map_err(|e| TokenizerError::Io { file: ranks_path.display().to_string(), source: e })?;
+        let ranks_text = std::fs::read_to_string(&ranks_path).map_err(|e| TokenizerError::Io { file: ranks_path.display().to_string(), source: e })?;
         let ranks = parse_ranks(&ranks_text, &ranks_path.display().to_string())?;
-        let cfg_text = std::fs::read_to_string(&cfg_path)
-            .map_err(|e| TokenizerError::Io { file: cfg_path.display().to_string(), source: e })?;
+        let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| TokenizerError::Io { file: cfg_path.display().to_string(), source: e })?;
         let named = parse_added_tokens(&cfg_text, &cfg_path.display().to_string())?;
         let n_base = ranks.len() as u32;
         let slots = match config_vocab_size(&dir.join("config.json"))? {
@@ -158,9 +168,7 @@ impl Tokenizer {
     /// the special block are ignored (as upstream), with a warning.
     pub fn from_parts(ranks: Vec<Vec<u8>>, named: &BTreeMap<u32, String>, special_slots: u32) -> Result<Self, TokenizerError> {
         let n_base = u32::try_from(ranks.len()).map_err(|_| TokenizerError::Invalid("too many base tokens".into()))?;
-        let vocab = n_base
-            .checked_add(special_slots)
-            .ok_or_else(|| TokenizerError::Invalid("vocabulary size overflows u32".into()))?;
+        let vocab = n_base.checked_add(special_slots).ok_or_else(|| TokenizerError::Invalid("vocabulary size overflows u32".into()))?;
         let mut encoder = rustc_hash::FxHashMap::default();
         for (rank, bytes) in ranks.iter().enumerate() {
             if bytes.is_empty() {
@@ -248,6 +256,43 @@ impl Tokenizer {
         let mut out = Vec::new();
         for s in segments {
             out.extend(self.encode(&s.text, s.markup)?);
+        }
+        Ok(out)
+    }
+
+    /// [`Tokenizer::encode_segments`] that gives up once the ids pass `max_tokens` (a prompt
+    /// over a context limit is refused without tokenizing all of it) or `stop()` says so (its
+    /// client left). Both are checked after every chunk of at most [`MAX_ENCODE_CHARS`]
+    /// characters, so the work past the limit is at most one chunk. The ids are the same as
+    /// `encode_segments`'s (the chunks are the ones it encodes).
+    pub fn encode_segments_bounded(&self, segments: &[Segment], max_tokens: usize, stop: &dyn Fn() -> bool) -> Result<Vec<u32>, BoundedEncodeError> {
+        let mut out = Vec::new();
+        let mut chunks = 0usize;
+        for s in segments {
+            if s.text.is_empty() {
+                continue;
+            }
+            if s.markup {
+                if let Some(&id) = self.specials.get(s.text.as_str()) {
+                    out.push(id);
+                    continue;
+                }
+            }
+            let allowed: HashSet<&str> = if s.markup { self.specials.keys().map(|s| s.as_str()).collect() } else { HashSet::new() };
+            for piece in chunk_pieces(&s.text, MAX_ENCODE_CHARS, MAX_NO_WHITESPACE_CHARS) {
+                if piece.is_empty() {
+                    continue;
+                }
+                let (ids, _) = self.bpe.encode(piece, &allowed).map_err(|e| BoundedEncodeError::Failed(TokenizerError::Encode(e.to_string())))?;
+                out.extend(ids);
+                chunks += 1;
+                if out.len() > max_tokens {
+                    return Err(BoundedEncodeError::TooMany { at_least: out.len(), limit: max_tokens, chunks });
+                }
+                if stop() {
+                    return Err(BoundedEncodeError::Stopped);
+                }
+            }
         }
         Ok(out)
     }

@@ -72,13 +72,7 @@ mod tests {
 
     #[test]
     fn holds_back_incomplete_chars_and_matches_lossy_decode() {
-        let inputs: [&[u8]; 5] = [
-            "🚀🔥".as_bytes(),
-            b"a\xe4\xbd",
-            b"\xff\xfeok\xe4\xbd\xa0",
-            b"\xe4\x41\xf0\x9f\x9a",
-            "naïve".as_bytes(),
-        ];
+        let inputs: [&[u8]; 5] = ["🚀🔥".as_bytes(), b"a\xe4\xbd", b"\xff\xfeok\xe4\xbd\xa0", b"\xe4\x41\xf0\x9f\x9a", "naïve".as_bytes()];
         for bytes in inputs {
             for step in 1..=3 {
                 let mut s = Utf8Stream::new();

@@ -30,15 +30,17 @@ use tokio::task::JoinSet;
 use crate::handoff::{HandoffState, LayerState};
 use crate::transport::config::NodeConfig;
 use crate::transport::error::{connection_lost, is_tls_refusal, TransferError};
-use crate::transport::framed::{finish_and_flush, write_error, write_message, FramedRecv};
+use crate::transport::framed::{finish_and_flush, write_message, FramedRecv};
+use crate::transport::framed::{CANCEL_CODE, HANDSHAKE_MAX_FRAME};
+#[cfg(feature = "fault-injection")]
 use crate::transport::hooks::FaultHooks;
-use crate::transport::server::{CANCEL_CODE, HANDSHAKE_MAX_FRAME};
 use crate::transport::tls::{client_config, RefusalSlot};
 use crate::transport::PeerInfo;
 use crate::wire::frame::{encode_control, Chunk, Frame, CHUNK_HEADER_LEN};
+use crate::wire::handshake::{check_ack, AckVerdict, Refusal};
 use crate::wire::{
-    Accepted, AssemblerLimits, Done, ErrorCode, ErrorMsg, Hello, Message, NodeCost, PrefillRequest, Progress, StateAssembler,
-    StateCollector, StateLayout, Timing, PROTOCOL_VERSION,
+    Accepted, AssemblerLimits, Done, ErrorCode, ErrorMsg, Hello, Message, NodeCost, PrefillRequest, Progress, StateAssembler, StateCollector, StateLayout,
+    Timing, PROTOCOL_VERSION,
 };
 
 /// A connection to a prefill node, past the handshake.
@@ -63,8 +65,7 @@ impl PrefillClient {
             tracing::warn!(%addr, "INSECURE DEV MODE: the prefill node's certificate is NOT checked. Loopback testing only.");
         }
         let (tls, refused) = client_config(&cfg.identity, &cfg.peers)?;
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
-            .map_err(|e| TransferError::Identity(format!("QUIC TLS config: {e}")))?;
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| TransferError::Identity(format!("QUIC TLS config: {e}")))?;
         let mut cc = quinn::ClientConfig::new(Arc::new(crypto));
         cc.transport_config(Arc::new(cfg.tuning.quinn_transport()));
         let bind: SocketAddr = match (addr.is_ipv6(), addr.ip().is_loopback()) {
@@ -74,9 +75,7 @@ impl PrefillClient {
             (true, false) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
         };
         let endpoint = cfg.tuning.endpoint(bind, None).map_err(|e| TransferError::Connect { peer: addr, reason: format!("binding {bind}: {e}") })?;
-        let connecting = endpoint
-            .connect_with(cc, addr, "k3-offload")
-            .map_err(|e| TransferError::Connect { peer: addr, reason: e.to_string() })?;
+        let connecting = endpoint.connect_with(cc, addr, "k3-offload").map_err(|e| TransferError::Connect { peer: addr, reason: e.to_string() })?;
         let t = cfg.tuning.idle_timeout;
         let ours = cfg.identity.fingerprint();
         let conn = match tokio::time::timeout(t, connecting).await {
@@ -104,32 +103,25 @@ impl PrefillClient {
             Ok(Err(e)) => return Err(tls_refusal_or(e, &conn, addr, ours)),
             Err(_) => return Err(TransferError::Stalled { peer: addr, what: "HelloAck".into(), secs: t.as_secs_f64() }),
         };
-        if ack.protocol_version != PROTOCOL_VERSION {
-            conn.close(quinn::VarInt::from_u32(2), b"protocol version mismatch");
-            return Err(TransferError::VersionMismatch { peer: addr, ours: PROTOCOL_VERSION, theirs: ack.protocol_version });
-        }
-        if ack.model_fingerprint != cfg.model_fingerprint {
-            let Some(state_identity) = cfg.state_identity.filter(|_| cfg.state_compatible(ack.state_identity)) else {
-                conn.close(quinn::VarInt::from_u32(2), b"model fingerprint mismatch");
-                return Err(TransferError::FingerprintMismatch { peer: addr, ours: cfg.model_fingerprint, theirs: ack.model_fingerprint });
-            };
-            if !cfg.accept_compatible_states {
-                conn.close(quinn::VarInt::from_u32(2), b"state-compatible model not accepted");
-                return Err(TransferError::CompatibleModelNotAccepted {
-                    peer: addr,
-                    ours: cfg.model_fingerprint,
-                    theirs: ack.model_fingerprint,
-                    state_identity,
-                });
-            }
-            tracing::warn!(
+        match check_ack(&cfg.announce(), cfg.accept_compatible_states, &ack) {
+            Ok(AckVerdict::SameModel) => {}
+            Ok(AckVerdict::CompatibleStates { state_identity }) => tracing::warn!(
                 peer = %addr,
                 ours = %cfg.model_fingerprint,
                 theirs = %ack.model_fingerprint,
                 state_identity = %state_identity.short(),
                 "the prefill node runs another model whose states are state-compatible with this one (same state identity); \
                  accepting its states (--accept-compatible-states): they are the states ITS model computes"
-            );
+            ),
+            Err(r) => {
+                let reason: &[u8] = match r {
+                    Refusal::VersionMismatch { .. } => b"protocol version mismatch",
+                    Refusal::CompatibleModelNotAccepted { .. } => b"state-compatible model not accepted",
+                    _ => b"model fingerprint mismatch",
+                };
+                conn.close(quinn::VarInt::from_u32(2), reason);
+                return Err(TransferError::from_refusal(addr, r));
+            }
         }
         // After its HelloAck the server refuses (e.g. capabilities) or advertises its cost.
         let cost = match tokio::time::timeout(t, fr.next_message()).await {
@@ -196,12 +188,12 @@ impl PrefillClient {
         let tuning = &self.cfg.tuning;
         expected.validate(tuning.max_state_bytes).map_err(|e| TransferError::Local(format!("expected layout: {e}")))?;
         let (mut send, recv) = self.conn.open_bi().await.map_err(|e| connection_lost(peer, &e))?;
-        match &self.cfg.hooks.raw_request {
-            Some(raw) => {
-                send.write_all(raw).await.map_err(|e| write_error(peer, e))?;
-                let _ = send.finish();
-            }
-            None => write_message(&mut send, peer, &Message::PrefillRequest(request)).await?,
+        #[cfg(feature = "fault-injection")]
+        let raw_sent = self.cfg.hooks.send_raw_request(&mut send, peer).await?;
+        #[cfg(not(feature = "fault-injection"))]
+        let raw_sent = false;
+        if !raw_sent {
+            write_message(&mut send, peer, &Message::PrefillRequest(request)).await?;
         }
         let mut ctrl = FramedRecv::new(recv, tuning.max_control_frame, peer);
         let t = tuning.inactivity_timeout;
@@ -295,7 +287,10 @@ pub struct TransferSummary {
 pub enum TransferEvent {
     /// A layer whose every byte arrived and was verified. The whole state is usable only after
     /// [`TransferEvent::Done`]: if the transfer fails later, discard the layers taken so far.
-    Layer { layer: u32, state: LayerState },
+    Layer {
+        layer: u32,
+        state: LayerState,
+    },
     Progress(Progress),
     /// Every layer arrived exactly once and the totals match the sender's.
     Done(TransferSummary),
@@ -346,7 +341,7 @@ impl<'c> Transfer<'c> {
             accepted.request,
             accepted.streams,
             client.max_frame,
-            client.cfg.hooks.clone(),
+            ReadHooks::of(&client.cfg),
             data_tx,
             tuning.inactivity_timeout,
         ));
@@ -354,11 +349,7 @@ impl<'c> Transfer<'c> {
         let in_flight = tuning.receive_window as u64
             + tuning.stream_receive_window as u64 * accepted.streams as u64
             + 4 * accepted.streams as u64 * accepted.chunk_bytes as u64;
-        let assembler = StateAssembler::new(
-            accepted.request,
-            accepted.layout.clone(),
-            AssemblerLimits::for_transfer(&accepted.layout, in_flight),
-        );
+        let assembler = StateAssembler::new(accepted.request, accepted.layout.clone(), AssemblerLimits::for_transfer(&accepted.layout, in_flight));
         Transfer {
             client,
             accepted,
@@ -536,14 +527,13 @@ async fn read_control(mut fr: FramedRecv, tx: mpsc::Sender<Result<Message, Trans
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn accept_data_streams(
     conn: quinn::Connection,
     peer: SocketAddr,
     request: u64,
     streams: u16,
     max_frame: u32,
-    hooks: Arc<FaultHooks>,
+    hooks: ReadHooks,
     tx: mpsc::Sender<DataEvent>,
     wait: Duration,
 ) {
@@ -585,18 +575,39 @@ async fn accept_data_streams(
     while readers.join_next().await.is_some() {}
 }
 
-async fn read_data(mut fr: FramedRecv, tx: mpsc::Sender<DataEvent>, hooks: Arc<FaultHooks>) {
-    loop {
-        if hooks.stop_reading_after.is_some() && hooks.reader_must_stop() {
+/// What a data-stream reader checks before each chunk (nothing in a build without the
+/// `fault-injection` feature).
+#[derive(Clone)]
+struct ReadHooks {
+    #[cfg(feature = "fault-injection")]
+    hooks: Arc<FaultHooks>,
+}
+
+impl ReadHooks {
+    fn of(_cfg: &NodeConfig) -> ReadHooks {
+        ReadHooks {
+            #[cfg(feature = "fault-injection")]
+            hooks: _cfg.hooks.clone(),
+        }
+    }
+
+    async fn before_chunk(&self) {
+        #[cfg(feature = "fault-injection")]
+        if self.hooks.stop_reading_after.is_some() && self.hooks.reader_must_stop() {
             tracing::warn!("test hook: this receiver stops reading");
             std::future::pending::<()>().await;
         }
+    }
+}
+
+async fn read_data(mut fr: FramedRecv, tx: mpsc::Sender<DataEvent>, hooks: ReadHooks) {
+    loop {
+        hooks.before_chunk().await;
         let ev = match fr.next().await {
             Ok(Some(Frame::Chunk(c))) => DataEvent::Chunk(c),
-            Ok(Some(Frame::Control(m))) => DataEvent::Failed(TransferError::Protocol {
-                peer: fr_peer(&fr),
-                reason: format!("a {} message on a data stream", m.name()),
-            }),
+            Ok(Some(Frame::Control(m))) => {
+                DataEvent::Failed(TransferError::Protocol { peer: fr_peer(&fr), reason: format!("a {} message on a data stream", m.name()) })
+            }
             Ok(None) => DataEvent::StreamEnded,
             Err(e) => DataEvent::Failed(e),
         };

@@ -1,9 +1,11 @@
 //! What a node needs to speak the hand-off protocol, and the QUIC transport settings.
 
+#[cfg(feature = "fault-injection")]
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
+#[cfg(feature = "fault-injection")]
 use crate::transport::hooks::FaultHooks;
 use crate::transport::identity::NodeIdentity;
 use crate::transport::tls::PeerAuth;
@@ -93,11 +95,9 @@ impl Tuning {
     /// default caps them at 1472 bytes whatever the path allows).
     pub(crate) fn endpoint(&self, addr: std::net::SocketAddr, server: Option<quinn::ServerConfig>) -> std::io::Result<quinn::Endpoint> {
         let mut ec = quinn::EndpointConfig::default();
-        ec.max_udp_payload_size(self.mtu_upper_bound.clamp(1472, 65_527))
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        ec.max_udp_payload_size(self.mtu_upper_bound.clamp(1472, 65_527)).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         let socket = std::net::UdpSocket::bind(addr)?;
-        let runtime = quinn::default_runtime()
-            .ok_or_else(|| std::io::Error::other("no async runtime (call from inside tokio)"))?;
+        let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime (call from inside tokio)"))?;
         quinn::Endpoint::new(ec, server, socket, runtime)
     }
 
@@ -138,8 +138,8 @@ pub struct NodeConfig {
     /// A prefill node's current cost, advertised after `HelloAck` and on `CostQuery`
     /// (the node's meter writes it; a decoder leaves it at the default).
     pub cost: CostBoard,
-    /// Fault injection for tests; leave default.
-    #[doc(hidden)]
+    /// Fault injection for tests (only with the `fault-injection` feature); leave default.
+    #[cfg(feature = "fault-injection")]
     pub hooks: Arc<FaultHooks>,
 }
 
@@ -161,6 +161,7 @@ impl NodeConfig {
             node_name: hostname(),
             tuning: Tuning::default(),
             cost: CostBoard::default(),
+            #[cfg(feature = "fault-injection")]
             hooks: Arc::new(FaultHooks::default()),
         }
     }
@@ -170,7 +171,17 @@ impl NodeConfig {
     /// Whether a peer announcing `theirs` runs a model whose states this node's model can use:
     /// both identities given and equal.
     pub fn state_compatible(&self, theirs: Option<Fingerprint>) -> bool {
-        self.state_identity.is_some() && self.state_identity == theirs
+        crate::wire::handshake::state_compatible(self.state_identity, theirs)
+    }
+
+    /// What this node says of itself in the handshake.
+    pub fn announce(&self) -> crate::wire::handshake::Announce {
+        crate::wire::handshake::Announce {
+            model_fingerprint: self.model_fingerprint,
+            state_identity: self.state_identity,
+            capabilities: self.capabilities.clone(),
+            node_name: self.node_name.clone(),
+        }
     }
 
     /// The same config announcing `state_identity` (`Checkpoint::state_identity()`).

@@ -56,6 +56,19 @@ pub enum TransferError {
 }
 
 impl TransferError {
+    /// A handshake refusal ([`crate::wire::handshake`]) as the error that names the peer.
+    pub fn from_refusal(peer: SocketAddr, r: crate::wire::handshake::Refusal) -> TransferError {
+        use crate::wire::handshake::Refusal;
+        match r {
+            Refusal::VersionMismatch { ours, theirs } => TransferError::VersionMismatch { peer, ours, theirs },
+            Refusal::FingerprintMismatch { ours, theirs } => TransferError::FingerprintMismatch { peer, ours, theirs },
+            Refusal::CompatibleModelNotAccepted { ours, theirs, state_identity } => {
+                TransferError::CompatibleModelNotAccepted { peer, ours, theirs, state_identity }
+            }
+            Refusal::Capability { message } => TransferError::Refused { peer, code: ErrorCode::CapabilityMismatch, message },
+        }
+    }
+
     /// The code to send to the peer when this error ends a transfer.
     pub fn code(&self) -> ErrorCode {
         match self {

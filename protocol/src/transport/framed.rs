@@ -53,10 +53,9 @@ impl FramedRecv {
         match self.next().await? {
             None => Ok(None),
             Some(Frame::Control(m)) => Ok(Some(m)),
-            Some(Frame::Chunk(c)) => Err(TransferError::Protocol {
-                peer: self.peer,
-                reason: format!("a state chunk (layer {}) on a control stream", c.header.layer),
-            }),
+            Some(Frame::Chunk(c)) => {
+                Err(TransferError::Protocol { peer: self.peer, reason: format!("a state chunk (layer {}) on a control stream", c.header.layer) })
+            }
         }
     }
 }
@@ -64,11 +63,9 @@ impl FramedRecv {
 pub(crate) fn read_error(peer: SocketAddr, e: quinn::ReadError) -> TransferError {
     match e {
         quinn::ReadError::ConnectionLost(c) => connection_lost(peer, &c),
-        quinn::ReadError::Reset(code) => TransferError::Aborted {
-            peer,
-            code: crate::wire::ErrorCode::Cancelled,
-            message: format!("the peer reset the stream (code {code})"),
-        },
+        quinn::ReadError::Reset(code) => {
+            TransferError::Aborted { peer, code: crate::wire::ErrorCode::Cancelled, message: format!("the peer reset the stream (code {code})") }
+        }
         other => TransferError::Protocol { peer, reason: format!("stream read: {other}") },
     }
 }
@@ -76,11 +73,9 @@ pub(crate) fn read_error(peer: SocketAddr, e: quinn::ReadError) -> TransferError
 pub(crate) fn write_error(peer: SocketAddr, e: quinn::WriteError) -> TransferError {
     match e {
         quinn::WriteError::ConnectionLost(c) => connection_lost(peer, &c),
-        quinn::WriteError::Stopped(code) => TransferError::Aborted {
-            peer,
-            code: crate::wire::ErrorCode::Cancelled,
-            message: format!("the peer stopped reading the stream (code {code})"),
-        },
+        quinn::WriteError::Stopped(code) => {
+            TransferError::Aborted { peer, code: crate::wire::ErrorCode::Cancelled, message: format!("the peer stopped reading the stream (code {code})") }
+        }
         other => TransferError::Local(format!("stream write to {peer}: {other}")),
     }
 }
@@ -96,3 +91,8 @@ pub(crate) async fn finish_and_flush(send: &mut quinn::SendStream, within: std::
     let _ = send.finish();
     let _ = tokio::time::timeout(within, send.stopped()).await;
 }
+
+/// Stream error code for a cancelled transfer.
+pub(crate) const CANCEL_CODE: u32 = 1;
+/// Largest frame on the handshake stream.
+pub(crate) const HANDSHAKE_MAX_FRAME: u32 = 1 << 20;

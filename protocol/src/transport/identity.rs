@@ -74,15 +74,10 @@ impl NodeIdentity {
         if cert_path.exists() || key_path.exists() {
             let cert = std::fs::read(&cert_path).map_err(|e| err("reading", &cert_path, e))?;
             let key = std::fs::read(&key_path).map_err(|e| err("reading", &key_path, e))?;
-            let id = NodeIdentity {
-                fingerprint: CertFingerprint::of_der(&cert),
-                cert: CertificateDer::from(cert),
-                key: PrivatePkcs8KeyDer::from(key),
-            };
+            let id = NodeIdentity { fingerprint: CertFingerprint::of_der(&cert), cert: CertificateDer::from(cert), key: PrivatePkcs8KeyDer::from(key) };
             // Check that the pair is usable now rather than at the first handshake.
-            rustls::crypto::ring::sign::any_supported_type(&id.private_key()).map_err(|e| {
-                TransferError::Identity(format!("key {} is not a usable PKCS#8 key: {e}", key_path.display()))
-            })?;
+            rustls::crypto::ring::sign::any_supported_type(&id.private_key())
+                .map_err(|e| TransferError::Identity(format!("key {} is not a usable PKCS#8 key: {e}", key_path.display())))?;
             return Ok(id);
         }
         std::fs::create_dir_all(dir).map_err(|e| err("creating", dir, e))?;
@@ -159,9 +154,8 @@ impl PinnedPeers {
                 continue;
             }
             let (fp, name) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
-            let fp = CertFingerprint::parse(fp).ok_or_else(|| {
-                TransferError::Identity(format!("{} line {}: not a sha256 fingerprint: {fp}", path.display(), n + 1))
-            })?;
+            let fp = CertFingerprint::parse(fp)
+                .ok_or_else(|| TransferError::Identity(format!("{} line {}: not a sha256 fingerprint: {fp}", path.display(), n + 1)))?;
             peers.push((fp, name.trim().to_string()));
         }
         Ok(PinnedPeers { peers })

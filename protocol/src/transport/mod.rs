@@ -1,8 +1,10 @@
 //! The hand-off protocol over QUIC (quinn + rustls, TLS 1.3, mutual certificate pinning).
 //! A thin layer: framing, checksums and state assembly live in [`crate::wire`].
 //!
-//! - [`PrefillServer`] / [`PrefillConnection`] / [`IncomingRequest`] / [`LayerSender`]: the
-//!   prefill node's side.
+//! - [`PrefillServer`] / [`PrefillConnection`] / [`IncomingRequest`] (`server`: bind, accept,
+//!   handshake, request intake), `admission` (who may connect), [`LayerSender`] (`sender`: the
+//!   data streams of an accepted request): the prefill node's side. The decisions of the
+//!   handshake and of request validation are pure functions in [`crate::wire::handshake`].
 //! - [`PrefillClient`] / [`Transfer`]: the decoder's side.
 //! - [`NodeIdentity`], [`PinnedPeers`], [`PeerAuth`], [`Pairing`]: certificates and pairing.
 //!
@@ -12,27 +14,31 @@
 //! server opens `Accepted::streams` unidirectional *data* streams per request (DataStream
 //! header, then chunk frames). See docs/handoff-protocol.md.
 
+mod admission;
 pub mod cert_fingerprint;
 pub mod client;
 pub mod config;
 pub mod error;
 mod framed;
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub mod hooks;
 pub mod identity;
 pub mod pairing;
+pub mod sender;
 pub mod server;
 pub mod tls;
 
 use std::net::SocketAddr;
 
+pub use admission::AdmissionCounts;
+pub use cert_fingerprint::CertFingerprint;
 pub use client::{PrefillClient, Transfer, TransferEvent, TransferSummary};
 pub use config::{NodeConfig, Tuning};
 pub use error::TransferError;
-pub use cert_fingerprint::CertFingerprint;
 pub use identity::{default_config_dir, NodeIdentity, NodeRole, PinnedPeers};
 pub use pairing::{Pairing, PairingError};
-pub use server::{AdmissionCounts, IncomingRequest, LayerSender, PrefillConnection, PrefillServer};
+pub use sender::LayerSender;
+pub use server::{IncomingRequest, PrefillConnection, PrefillServer};
 pub use tls::PeerAuth;
 
 use crate::fingerprint::Fingerprint;

@@ -75,10 +75,7 @@ impl Pairing {
     pub fn new(role: NodeRole, config_dir: Option<PathBuf>, fingerprints: &[String], insecure_dev: bool) -> Result<Pairing, PairingError> {
         let explicit = fingerprints
             .iter()
-            .map(|fp| {
-                CertFingerprint::parse(fp)
-                    .ok_or_else(|| PairingError::BadFingerprint { flag: role.peer_fingerprint_flag(), value: fp.clone() })
-            })
+            .map(|fp| CertFingerprint::parse(fp).ok_or_else(|| PairingError::BadFingerprint { flag: role.peer_fingerprint_flag(), value: fp.clone() }))
             .collect::<Result<_, _>>()?;
         Ok(Pairing { role, dir: config_dir.unwrap_or_else(|| default_config_dir(role)), explicit, insecure_dev })
     }

@@ -11,8 +11,8 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
-use crate::transport::error::TransferError;
 use crate::transport::cert_fingerprint::CertFingerprint;
+use crate::transport::error::TransferError;
 use crate::transport::identity::NodeIdentity;
 use crate::wire::ALPN;
 

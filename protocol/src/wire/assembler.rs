@@ -157,11 +157,7 @@ impl StateAssembler {
         }
         h.verify(payload)?;
         let li = h.layer as usize;
-        let layout: LayerLayout = *self
-            .layout
-            .layers
-            .get(li)
-            .ok_or(WireError::LayerOutOfRange { layer: h.layer, layers: self.layout.layers.len() })?;
+        let layout: LayerLayout = *self.layout.layers.get(li).ok_or(WireError::LayerOutOfRange { layer: h.layer, layers: self.layout.layers.len() })?;
         if !layout.parts().contains(&h.part) {
             return Err(WireError::NoSuchPart { layer: h.layer, part: h.part });
         }
@@ -169,7 +165,7 @@ impl StateAssembler {
         let end = h.offset.checked_add(h.len as u64);
         let layer_bytes = layout.nbytes().unwrap_or(u64::MAX);
         let empty_marker = h.len == 0 && h.offset == 0 && layer_bytes == 0 && h.part == layout.parts()[0];
-        let aligned = h.offset % 4 == 0 && h.len % 4 == 0;
+        let aligned = h.offset.is_multiple_of(4) && h.len.is_multiple_of(4);
         match end {
             Some(end) if aligned && end <= size && (h.len > 0 || empty_marker) => {}
             _ => return Err(WireError::OutOfRange { layer: h.layer, part: h.part, offset: h.offset, len: h.len, size }),
@@ -179,12 +175,7 @@ impl StateAssembler {
         }
         if matches!(self.slots[li], Slot::Pending) {
             if self.open > 0 && self.open_bytes.saturating_add(layer_bytes) > self.limits.max_open_bytes {
-                return Err(WireError::TooManyOpenLayers {
-                    layer: h.layer,
-                    open: self.open,
-                    open_bytes: self.open_bytes,
-                    limit: self.limits.max_open_bytes,
-                });
+                return Err(WireError::TooManyOpenLayers { layer: h.layer, open: self.open, open_bytes: self.open_bytes, limit: self.limits.max_open_bytes });
             }
             let state = layout.alloc();
             let received = layout.parts().iter().map(|p| (*p, RangeSet::default())).collect();

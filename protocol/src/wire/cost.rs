@@ -83,7 +83,7 @@ impl RateFit {
         if n_varies && s.len() >= 3 {
             terms.push(0);
         }
-        if ctx_varies && s.len() >= terms.len() + 1 {
+        if ctx_varies && s.len() > terms.len() {
             terms.push(2);
         }
         // Drop a term whose coefficient comes out negative and refit (a non-negative fit).
@@ -124,11 +124,12 @@ fn solve(rows: &[[f64; 3]], y: &[f64], terms: &[usize]) -> Option<[f64; 3]> {
             return None;
         }
         a.swap(col, p);
-        for i in 0..k {
+        let pivot = a[col].clone();
+        for (i, row) in a.iter_mut().enumerate().take(k) {
             if i != col {
-                let f = a[i][col] / a[col][col];
-                for j in col..=k {
-                    a[i][j] -= f * a[col][j];
+                let f = row[col] / pivot[col];
+                for (x, p) in row[col..=k].iter_mut().zip(&pivot[col..=k]) {
+                    *x -= f * p;
                 }
             }
         }

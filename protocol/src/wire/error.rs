@@ -61,6 +61,10 @@ pub enum WireError {
     MlaStateForKdaLayer,
     #[error("a KDA state for an MLA layer")]
     KdaStateForMlaLayer,
+    #[error("{got} layers in the state, {want} in the layout")]
+    StateLayers { got: usize, want: usize },
+    #[error("layer {layer}: {source}")]
+    StateLayer { layer: usize, source: Box<WireError> },
     #[error("image embeddings hold {values} values, {positions} positions × width {width} need {want}")]
     ImageEmbeddingSize { values: usize, positions: usize, width: u32, want: u64 },
     #[error("image embedding position {position} is past the {tokens} new tokens")]

@@ -15,8 +15,8 @@ use bytes::{Buf, Bytes, BytesMut};
 
 use crate::wire::checksum::chunk_crc;
 use crate::wire::error::WireError;
-use crate::wire::part::Part;
 use crate::wire::messages::Message;
+use crate::wire::part::Part;
 
 pub const FRAME_HEADER_LEN: usize = 5;
 pub const CHUNK_HEADER_LEN: usize = 32;
@@ -94,14 +94,7 @@ impl ChunkHeader {
         }
         let got = self.compute_crc(payload);
         if got != self.crc {
-            return Err(WireError::Checksum {
-                layer: self.layer,
-                part: self.part,
-                offset: self.offset,
-                len: self.len,
-                got,
-                want: self.crc,
-            });
+            return Err(WireError::Checksum { layer: self.layer, part: self.part, offset: self.offset, len: self.len, got, want: self.crc });
         }
         Ok(())
     }
@@ -155,8 +148,7 @@ pub fn encode_chunk(header: &ChunkHeader, payload: &[u8]) -> Vec<u8> {
 
 /// Decodes a control message body, requiring it to use every byte.
 pub fn decode_message(body: &[u8]) -> Result<Message, WireError> {
-    let (msg, used): (Message, usize) =
-        bincode::serde::decode_from_slice(body, bincode_config()).map_err(|e| WireError::BadMessage(e.to_string()))?;
+    let (msg, used): (Message, usize) = bincode::serde::decode_from_slice(body, bincode_config()).map_err(|e| WireError::BadMessage(e.to_string()))?;
     if used != body.len() {
         return Err(WireError::BadMessage(format!("{} trailing bytes after a {}", body.len() - used, msg.name())));
     }
@@ -273,11 +265,7 @@ impl FrameDecoder {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let need = if self.buf.len() < 4 {
-            4
-        } else {
-            4 + u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize
-        };
+        let need = if self.buf.len() < 4 { 4 } else { 4 + u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize };
         Err(WireError::Truncated { have: self.buf.len(), need })
     }
 }

@@ -34,9 +34,7 @@ impl LayerLayout {
     /// overflows (a peer-sent layout can hold anything).
     pub fn part_len(&self, part: Part) -> Option<u64> {
         match (*self, part) {
-            (LayerLayout::Kda { heads, head_dim, .. }, Part::Recurrent) => {
-                (heads as u64).checked_mul(head_dim as u64)?.checked_mul(head_dim as u64)
-            }
+            (LayerLayout::Kda { heads, head_dim, .. }, Part::Recurrent) => (heads as u64).checked_mul(head_dim as u64)?.checked_mul(head_dim as u64),
             (LayerLayout::Kda { heads, head_dim, window }, Part::ConvQ | Part::ConvK | Part::ConvV) => {
                 (window as u64).checked_mul(heads as u64)?.checked_mul(head_dim as u64)
             }
@@ -60,11 +58,7 @@ impl LayerLayout {
         match st {
             LayerState::Kda(k) => {
                 let w = k.heads * k.head_dim;
-                LayerLayout::Kda {
-                    heads: k.heads as u32,
-                    head_dim: k.head_dim as u32,
-                    window: k.conv_q.len().checked_div(w).unwrap_or(0) as u32,
-                }
+                LayerLayout::Kda { heads: k.heads as u32, head_dim: k.head_dim as u32, window: k.conv_q.len().checked_div(w).unwrap_or(0) as u32 }
             }
             LayerState::Mla(m) => LayerLayout::Mla { width: m.width as u32, rows: m.rows() as u64 },
         }
@@ -74,12 +68,7 @@ impl LayerLayout {
     pub fn check_state(&self, st: &LayerState) -> Result<(), WireError> {
         match (self, st) {
             (LayerLayout::Kda { .. }, LayerState::Kda(k)) => {
-                for (part, v) in [
-                    (Part::Recurrent, &k.recurrent),
-                    (Part::ConvQ, &k.conv_q),
-                    (Part::ConvK, &k.conv_k),
-                    (Part::ConvV, &k.conv_v),
-                ] {
+                for (part, v) in [(Part::Recurrent, &k.recurrent), (Part::ConvQ, &k.conv_q), (Part::ConvK, &k.conv_k), (Part::ConvV, &k.conv_v)] {
                     let want = self.part_len(part).unwrap_or(u64::MAX);
                     if v.len() as u64 != want {
                         return Err(WireError::KdaPartLength { part, got: v.len(), want });
@@ -87,24 +76,14 @@ impl LayerLayout {
                 }
                 if let LayerLayout::Kda { heads, head_dim, .. } = *self {
                     if k.heads != heads as usize || k.head_dim != head_dim as usize {
-                        return Err(WireError::KdaHeads {
-                            heads: k.heads,
-                            head_dim: k.head_dim,
-                            want_heads: heads,
-                            want_head_dim: head_dim,
-                        });
+                        return Err(WireError::KdaHeads { heads: k.heads, head_dim: k.head_dim, want_heads: heads, want_head_dim: head_dim });
                     }
                 }
                 Ok(())
             }
             (LayerLayout::Mla { width, rows }, LayerState::Mla(m)) => {
                 if m.width != *width as usize || m.latent.len() as u64 != rows.saturating_mul(*width as u64) {
-                    return Err(WireError::MlaLatent {
-                        values: m.latent.len(),
-                        width: m.width,
-                        want_rows: *rows,
-                        want_width: *width,
-                    });
+                    return Err(WireError::MlaLatent { values: m.latent.len(), width: m.width, want_rows: *rows, want_width: *width });
                 }
                 Ok(())
             }
@@ -127,10 +106,9 @@ impl LayerLayout {
                     conv_v: n(Part::ConvV),
                 })
             }
-            LayerLayout::Mla { width, .. } => LayerState::Mla(MlaState {
-                width: width as usize,
-                latent: vec![0f32; self.part_len(Part::Latent).unwrap_or(0) as usize],
-            }),
+            LayerLayout::Mla { width, .. } => {
+                LayerState::Mla(MlaState { width: width as usize, latent: vec![0f32; self.part_len(Part::Latent).unwrap_or(0) as usize] })
+            }
         }
     }
 }
@@ -164,6 +142,15 @@ pub struct StateLayout {
     pub layers: Vec<LayerLayout>,
 }
 
+impl HandoffState {
+    /// Checks every layer's kind and size against the model — the layout of a state of
+    /// `self.tokens` tokens ([`StateLayout::for_model`], [`StateLayout::check`]) — naming the
+    /// first layer at fault. (Defined here, beside the one shape check it runs.)
+    pub fn check(&self, c: &TextConfig) -> Result<(), WireError> {
+        StateLayout::for_model(c, self.tokens).check(self)
+    }
+}
+
 impl StateLayout {
     /// The delta layout of a prefill of `new_tokens` tokens for this model: every KDA layer in
     /// full, `new_tokens` latent rows per MLA layer.
@@ -173,15 +160,23 @@ impl StateLayout {
             .layer_plan()
             .iter()
             .map(|s| match s.attn {
-                AttnKind::Kda => LayerLayout::Kda {
-                    heads: la.num_heads as u32,
-                    head_dim: la.head_dim as u32,
-                    window: c.conv_window() as u32,
-                },
+                AttnKind::Kda => LayerLayout::Kda { heads: la.num_heads as u32, head_dim: la.head_dim as u32, window: c.conv_window() as u32 },
                 AttnKind::Mla => LayerLayout::Mla { width: c.mla_latent_width() as u32, rows: new_tokens as u64 },
             })
             .collect();
         StateLayout { layers }
+    }
+
+    /// Checks that `st` has exactly this layout, layer by layer ([`LayerLayout::check_state`]),
+    /// naming the first layer at fault.
+    pub fn check(&self, st: &HandoffState) -> Result<(), WireError> {
+        if st.layers.len() != self.layers.len() {
+            return Err(WireError::StateLayers { got: st.layers.len(), want: self.layers.len() });
+        }
+        for (layer, (want, got)) in self.layers.iter().zip(&st.layers).enumerate() {
+            want.check_state(got).map_err(|e| WireError::StateLayer { layer, source: Box::new(e) })?;
+        }
+        Ok(())
     }
 
     /// The layout of an existing state (e.g. a session file or a synthetic test state).

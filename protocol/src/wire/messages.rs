@@ -209,13 +209,20 @@ pub enum Message {
     PrefillRequest(PrefillRequest),
     Accepted(Accepted),
     /// First frame of each data (unidirectional) stream of a transfer.
-    DataStream { request: u64, index: u16 },
+    DataStream {
+        request: u64,
+        index: u16,
+    },
     Progress(Progress),
     /// Keeps the request alive while a long layer computes.
-    Heartbeat { request: u64 },
+    Heartbeat {
+        request: u64,
+    },
     Done(Done),
     /// Client → server after `Done`: every layer arrived exactly once and passed every check.
-    Received { request: u64 },
+    Received {
+        request: u64,
+    },
     /// Refusal or failure reported by the peer.
     Error(ErrorMsg),
     /// Cancellation from either side.

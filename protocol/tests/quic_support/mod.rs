@@ -135,7 +135,9 @@ pub fn request(tokens: usize, streams: u16, chunk_bytes: u32) -> PrefillRequest 
 #[derive(Clone)]
 pub enum Behaviour {
     /// Send every layer of `state_of(layout, seed)`, layer by layer, with progress.
-    Serve { seed: u64 },
+    Serve {
+        seed: u64,
+    },
     Refuse(ErrorCode),
     /// Abort after this many layers.
     AbortAfter(usize),

@@ -17,7 +17,7 @@ use anyhow::Context;
 use k3_protocol::transport::NodeConfig;
 use k3_protocol::Checkpoint;
 
-use super::engine::{GenerationEngine, MediaSupport, PrefillReport};
+use super::generation_engine::{GenerationEngine, HeldState, MediaSupport, PrefillReport, StateIdentity};
 use crate::decode::{Engine, EngineOptions, ImageEmbeds};
 use crate::remote::{Conversation, RemoteOptions, RemotePrefiller, Route};
 use crate::vision::{self, MediaProcConfig, MlxVisionEncoder, NormEps, PreprocessedImage, VisionEncoder};
@@ -36,7 +36,8 @@ pub struct MlxEngine {
     media: Option<MediaSupport>,
     /// Loaded on the first image.
     vision: Option<MlxVisionEncoder>,
-    vision_eps: NormEps,
+    /// The vision memory budget in bytes (`None`: unbounded), [`MlxEngine::with_vision_memory`].
+    vision_memory: Option<u64>,
     /// Sessions decoded together at most ([`GenerationEngine::max_batch`]).
     max_batch: usize,
 }
@@ -47,8 +48,9 @@ impl MlxEngine {
         let engine = Engine::load_with(dir, options)?;
         let max_context = if max_context == 0 { engine.text_config().max_position_embeddings } else { max_context };
         let ck = Checkpoint::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        let vision_memory = crate::memory::budget(None, 0);
         let media = if ck.tensor_names().any(|n| n == VISION_PROBE) {
-            match MediaProcConfig::load(dir, &ck.config().vision_config) {
+            match MediaProcConfig::load(dir, &ck.config().vision_config, vision_memory) {
                 Ok(config) => Some(MediaSupport { config, pad_id: engine.config().media_placeholder_token_id }),
                 Err(e) => {
                     tracing::warn!(error = %e, "image inputs are disabled: the pre-processing config cannot be used");
@@ -59,7 +61,7 @@ impl MlxEngine {
             tracing::info!("the checkpoint has no vision tower: image inputs are refused");
             None
         };
-        Ok(MlxEngine { engine, max_context, dir: dir.to_path_buf(), remote: None, media, vision: None, vision_eps: NormEps::default(), max_batch: DEFAULT_MAX_BATCH })
+        Ok(MlxEngine { engine, max_context, dir: dir.to_path_buf(), remote: None, media, vision: None, vision_memory, max_batch: DEFAULT_MAX_BATCH })
     }
 
     /// Routes prompts through a prefill node (see [`RemotePrefiller::new`]: pairing problems do
@@ -81,9 +83,14 @@ impl MlxEngine {
         self
     }
 
-    /// The epsilon of the vision RMSNorms (default: the released model's BF16 one).
-    pub fn with_vision_eps(mut self, eps: NormEps) -> Self {
-        self.vision_eps = eps;
+    /// Bounds image work by a vision memory `budget` in bytes (`None`: unbounded); the default
+    /// of [`MlxEngine::load`] is half the memory available then ([`crate::memory::budget`]).
+    pub fn with_vision_memory(mut self, budget: Option<u64>) -> Self {
+        self.vision_memory = budget;
+        if let Some(m) = self.media.take() {
+            let v = &self.engine.config().vision_config;
+            self.media = Some(MediaSupport { config: m.config.bounded(v, self.vision_memory), ..m });
+        }
         self.vision = None;
         self
     }
@@ -103,7 +110,7 @@ impl MlxEngine {
         if self.vision.is_none() {
             let t = Instant::now();
             let ck = Checkpoint::open(&self.dir).with_context(|| format!("opening {}", self.dir.display()))?;
-            let enc = MlxVisionEncoder::load(&ck, self.vision_eps).context("loading the vision tower")?;
+            let enc = MlxVisionEncoder::load_bounded(&ck, NormEps::default(), self.vision_memory).context("loading the vision tower")?;
             tracing::info!(seconds = format!("{:.2}", t.elapsed().as_secs_f64()), "vision tower loaded");
             self.vision = Some(enc);
         }
@@ -181,6 +188,15 @@ impl GenerationEngine for MlxEngine {
     }
     fn fork(&mut self, s: &mut Conversation) -> anyhow::Result<Conversation> {
         s.fork(&self.engine)
+    }
+    fn state_identity(&self) -> Option<StateIdentity> {
+        Some(StateIdentity { fingerprint: *self.engine.fingerprint(), text_config: self.engine.text_config().clone() })
+    }
+    fn export_held(&mut self, s: &mut Conversation) -> anyhow::Result<HeldState> {
+        Ok(HeldState { state: self.engine.export_state(s.session())?, logits: s.last_logits().map(|l| l.to_vec()) })
+    }
+    fn import_held(&mut self, tokens: &[u32], held: HeldState) -> anyhow::Result<Conversation> {
+        Conversation::restore(&self.engine, tokens, &held.state, held.logits)
     }
     fn media(&self) -> Option<MediaSupport> {
         self.media.clone()

@@ -8,29 +8,23 @@
 //! - An image request prefilled on the node equals a local prefill with the same image rows.
 //! - A node that is not there, or serves another model, ends in a local prefill with the same
 //!   tokens, a log line saying why, and the fallback counted.
-#![cfg(feature = "mlx")]
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use cuda_prefiller::cpu::CpuBackend;
-use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_prefiller::server::{PrefillNode, ServeOptions};
+use k3_e2e_tests::{app_state, fingerprint_of as fingerprint, serve_http, start_node};
 use k3_protocol::process::MemoryLog;
-use k3_protocol::synth::{write_model, Preset, SynthOptions};
-use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
+use k3_protocol::transport::{NodeConfig, Tuning};
 use k3_protocol::{Checkpoint, Fingerprint};
 use mac_decoder::decode::{Engine, EngineOptions, GenerateParams};
+use mac_decoder::engine::mlx_engine::MlxEngine;
+use mac_decoder::engine::StoreOptions;
 use mac_decoder::remote::RemoteOptions;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::StoreOptions;
 use mac_decoder::tokenizer::{names, Tokenizer};
 use mac_decoder::vision::{self, MlxVisionEncoder, NormEps};
 use serde_json::{json, Value};
-
-mod support;
 
 /// Prompts with at least this many new tokens go to the node.
 const MIN_TOKENS: usize = 32;
@@ -52,39 +46,20 @@ fn logs() -> String {
 // ---- the two nodes ----
 
 fn synth(seed: u64, layers: Option<usize>) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let mut o = SynthOptions::new(Preset::Tiny);
-    o.seed = seed;
-    o.progress = false;
-    o.overrides.layers = layers;
-    write_model(dir.path(), &o).unwrap();
-    dir
-}
-
-fn fingerprint(dir: &Path) -> Fingerprint {
-    Checkpoint::open(dir).unwrap().fingerprint()
+    k3_e2e_tests::synth(seed, |o| o.layers = layers)
 }
 
 fn tuning() -> Tuning {
     Tuning::quick_failure()
 }
 
-/// A prefill node's and a decoder's configs pinning each other's fresh certificates.
+/// A prefill node's and a decoder's configs pinning each other's fresh certificates, with
+/// limits that notice a dead peer quickly.
 fn paired(server_model: Fingerprint, client_model: Fingerprint) -> (NodeConfig, NodeConfig) {
-    let s = NodeIdentity::generate().unwrap();
-    let c = NodeIdentity::generate().unwrap();
-    let mut server = NodeConfig::new(s.clone(), PeerAuth::pinned(c.fingerprint()), server_model, "cpu");
-    let mut client = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), client_model, "mlx");
+    let (mut server, mut client) = k3_e2e_tests::paired(server_model, client_model);
     server.tuning = tuning();
     client.tuning = tuning();
     (server, client)
-}
-
-/// A prefill node serving `dir` on the CPU backend, on a loopback port.
-fn start_node(dir: &Path, cfg: NodeConfig) -> PrefillNode {
-    let ck = Arc::new(Checkpoint::open(dir).unwrap());
-    let model = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
-    PrefillNode::start(model, "127.0.0.1:0".parse().unwrap(), cfg, ServeOptions::default()).unwrap()
 }
 
 fn remote_options(addr: SocketAddr) -> RemoteOptions {
@@ -107,7 +82,7 @@ async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> Ser
     let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
     let dir = model.to_path_buf();
     let make = move || MlxEngine::load(&dir, EngineOptions::default(), 0)?.with_remote_config(remote_options(node), client);
-    let addr = support::serve(support::app_state(make, StoreOptions::default(), tok, "tiny")).await;
+    let addr = serve_http(app_state(make, StoreOptions::default(), tok, "tiny")).await;
     Server { base: format!("http://{addr}") }
 }
 
@@ -179,7 +154,7 @@ fn remote_prefill_equals_local_and_the_next_turn_sends_only_new_tokens() {
     let model = synth(3, None);
     let fp = fingerprint(model.path());
     let (scfg, ccfg) = paired(fp, fp);
-    let node = start_node(model.path(), scfg);
+    let node = start_node(model.path(), scfg, ServeOptions::default());
     runtime().block_on(async {
         let s = start_server(model.path(), node.local_addr(), ccfg).await;
 
@@ -258,7 +233,7 @@ fn image_prompt_prefilled_on_the_node_equals_local() {
     let model = synth(4, None);
     let fp = fingerprint(model.path());
     let (scfg, ccfg) = paired(fp, fp);
-    let node = start_node(model.path(), scfg);
+    let node = start_node(model.path(), scfg, ServeOptions::default());
     runtime().block_on(async {
         let s = start_server(model.path(), node.local_addr(), ccfg).await;
 
@@ -326,7 +301,7 @@ fn node_with_another_model_falls_back_to_local_prefill() {
     let (theirs, ours) = (fingerprint(other.path()), fingerprint(model.path()));
     assert_ne!(theirs, ours);
     let (scfg, ccfg) = paired(theirs, ours);
-    let node = start_node(other.path(), scfg);
+    let node = start_node(other.path(), scfg, ServeOptions::default());
     runtime().block_on(async {
         let s = start_server(model.path(), node.local_addr(), ccfg).await;
         check_fallbacks(model.path(), &s, node.local_addr(), "fingerprint mismatch").await;
@@ -344,10 +319,8 @@ fn a_client_that_leaves_during_a_remote_prefill_cancels_it_on_the_node() {
     let model = synth(5, None);
     let fp = fingerprint(model.path());
     let (scfg, ccfg) = paired(fp, fp);
-    let ck = Arc::new(Checkpoint::open(model.path()).unwrap());
-    let m = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
     let opts = ServeOptions { layer_delay: Duration::from_millis(400), ..Default::default() };
-    let node = PrefillNode::start(m, "127.0.0.1:0".parse().unwrap(), scfg, opts).unwrap();
+    let node = start_node(model.path(), scfg, opts);
     runtime().block_on(async {
         let s = start_server(model.path(), node.local_addr(), ccfg).await;
         let prompt: Vec<u32> = (0..64u32).map(|i| 10 + (i * 7) % 900).collect();

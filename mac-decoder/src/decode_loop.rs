@@ -1,5 +1,5 @@
 //! The decode loop — the one both `k3-decode generate` ([`crate::decode::Engine::generate`]) and
-//! the server's engine thread (`server::worker`) run: sample from the last logits, report the
+//! the server's engine thread (`engine::scheduler`) run: sample from the last logits, report the
 //! token, feed it, until `max_new_tokens`, a stop token, or the caller says stop.
 //!
 //! Pure Rust (no MLX): a model plugs in through [`TokenStep`] (the logits predicting the next

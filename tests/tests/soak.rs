@@ -11,8 +11,7 @@
 //! flat between the end of the warm-up and the end.
 //!
 //! Short form (CI): `K3_SOAK_SECS` unset → 40 s of load. Long form by hand:
-//! `K3_SOAK_SECS=600 cargo test -p mac-decoder --release --test soak -- --nocapture`.
-#![cfg(feature = "mlx")]
+//! `K3_SOAK_SECS=600 cargo test -p k3-e2e-tests --release --test soak -- --nocapture`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,17 +20,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuda_prefiller::cpu::CpuBackend;
-use cuda_prefiller::model::{Model, WeightPolicy};
 use cuda_prefiller::server::{PrefillNode, ServeOptions, StoreLimits};
+use k3_e2e_tests::start_node;
 use k3_protocol::synth::{write_model, Preset, SynthOptions};
 use k3_protocol::transport::{NodeConfig, NodeIdentity, PeerAuth, Tuning};
 use k3_protocol::Checkpoint;
 use mac_decoder::decode::EngineOptions;
+use mac_decoder::engine::mlx_engine::MlxEngine;
+use mac_decoder::engine::{EngineHandle, StoreOptions};
+use mac_decoder::metrics::Metrics;
 use mac_decoder::remote::RemoteOptions;
-use mac_decoder::server::metrics::Metrics;
-use mac_decoder::server::mlx_engine::MlxEngine;
-use mac_decoder::server::worker::{EngineHandle, StoreOptions};
 use mac_decoder::server::AppState;
 use mac_decoder::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -44,11 +42,7 @@ const RSS_GROWTH_MB: f64 = 64.0;
 
 fn rss_mb() -> f64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()).map_or(0.0, |kb| kb / 1024.0)
 }
 
 fn open_fds() -> usize {
@@ -259,13 +253,11 @@ fn soak_tuning() -> Tuning {
     }
 }
 
-fn start_node(dir: &Path, cfg: NodeConfig) -> PrefillNode {
-    let ck = Arc::new(Checkpoint::open(dir).unwrap());
-    let model = Model::new(Arc::new(CpuBackend), ck, WeightPolicy::Resident).unwrap();
-    // The node's prefix store at a size the run fills within its warm-up (the default, 16 GiB
-    // for 30 min, would grow all run long by design: the drift the trace showed).
+/// The node's options: its prefix store at a size the run fills within its warm-up (the
+/// default, 16 GiB for 30 min, would grow all run long by design: the drift the trace showed).
+fn node_options() -> ServeOptions {
     let store = StoreLimits { max_bytes: NODE_STORE_BYTES, ..StoreLimits::default() };
-    PrefillNode::start(model, "127.0.0.1:0".parse().unwrap(), cfg, ServeOptions { store, ..ServeOptions::default() }).unwrap()
+    ServeOptions { store, ..ServeOptions::default() }
 }
 
 async fn start_server(model: &Path, node: SocketAddr, client: NodeConfig) -> String {
@@ -325,7 +317,8 @@ async fn one(c: &reqwest::Client, base: &str, k: u64, t: &Tally) {
         }
         // An image.
         3 => {
-            let content = json!([{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": png(56 + (k % 3) as u32 * 28, 56, k as u32)}}]);
+            let content =
+                json!([{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": png(56 + (k % 3) as u32 * 28, 56, k as u32)}}]);
             c.post(&url).json(&chat(content, false)).send().await
         }
         // A streamed chat read to the end.
@@ -369,7 +362,7 @@ fn soak_both_servers_under_mixed_load() {
     let mut ccfg = NodeConfig::new(c, PeerAuth::pinned(s.fingerprint()), fp, "mlx");
     scfg.tuning = soak_tuning();
     ccfg.tuning = soak_tuning();
-    let node = Arc::new(start_node(dir.path(), scfg));
+    let node = Arc::new(start_node(dir.path(), scfg, node_options()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let t0 = Instant::now();
     let relay_tally = Arc::new(RelayTally::default());
@@ -451,7 +444,10 @@ fn soak_both_servers_under_mixed_load() {
     assert!(tally.ok.load(Ordering::Relaxed) >= 10, "too few successful requests");
     assert!(snap.counters.completed >= 1, "no prefill completed on the node");
     assert!(remote > 0.0, "no remote prefill reached the decoder through the relay");
-    assert!(r.dropped.load(Ordering::Relaxed) > 0 && r.corrupted.load(Ordering::Relaxed) > 0 && r.held.load(Ordering::Relaxed) > 0, "the relay's faults did not happen");
+    assert!(
+        r.dropped.load(Ordering::Relaxed) > 0 && r.corrupted.load(Ordering::Relaxed) > 0 && r.held.load(Ordering::Relaxed) > 0,
+        "the relay's faults did not happen"
+    );
     assert!(fallbacks >= 1.0, "no hand-off broke: the faulty relay did not reach a transfer");
     assert!(rss1 - rss0 < RSS_GROWTH_MB, "RSS grew from {rss0:.0} to {rss1:.0} MB after the warm-up");
     assert!(fds1 <= fds0 + 16, "open descriptors grew from {fds0} to {fds1}");

@@ -54,6 +54,87 @@ pub struct Metrics {
     /// Jobs cancelled by their handler (queued, prefilling or decoding): the client went away,
     /// or a stop string ended the reply.
     pub cancelled: Counter,
+    /// Where the last prompt first differed from every held state (tokens).
+    pub prefix_first_difference: Gauge,
+    /// Prompt tokens equal to a held state but prefilled anyway: the held state went on past
+    /// the prompt's first difference, and K3's recurrent state cannot be cut back.
+    pub prefix_lost_tokens: Counter,
+    /// Calls the model wrote to tools the request did not declare (reported as text).
+    pub undeclared_tool_calls: Counter,
+    /// Marker spellings removed from replies' text, and markers a reply ended inside.
+    pub stripped_markers: Counter,
+    /// Held sessions on disk, restores and evictions.
+    pub store: StoreMetrics,
+}
+
+/// The session store's metrics beyond the gauges above: the disk store, restores, evictions
+/// per reason, conversation keys, first-turn routes.
+#[derive(Default)]
+pub struct StoreMetrics {
+    /// Sessions restored from disk instead of prefilled, their tokens, the seconds the restores
+    /// took, and the prefill seconds they saved (tokens at the measured prefill rate).
+    pub restored: Counter,
+    pub restored_tokens: Counter,
+    pub restore_seconds: Counter<f64, AtomicU64>,
+    pub restore_seconds_saved: Counter<f64, AtomicU64>,
+    /// Bytes and files of session state on disk (`--session-dir`, bounded by `--session-disk`).
+    pub disk_bytes: Gauge,
+    pub disk_files: Gauge,
+    /// Session files written, and the seconds the writer thread took.
+    pub disk_writes: Counter,
+    pub disk_write_seconds: Counter<f64, AtomicU64>,
+    /// Session files refused (at indexing or restore) and deleted, by `reason`.
+    pub files_rejected: Family<Labels, Counter>,
+    /// Entries leaving memory or disk, by `reason` = count | bytes | superseded (memory) |
+    /// disk_full (disk).
+    pub evictions: Family<Labels, Counter>,
+    /// Distinct conversation keys among the sessions held in memory.
+    pub keys_held: Gauge,
+    /// Prompts that continued nothing held (first turns), by `route` = local | remote.
+    pub first_turn_routes: Family<Labels, Counter>,
+}
+
+impl StoreMetrics {
+    fn register(&self, r: &mut Registry) {
+        r.register("sessions_restored", "Held sessions restored from disk instead of prefilled", self.restored.clone());
+        r.register("session_restored_tokens", "Prompt tokens restored from disk instead of prefilled", self.restored_tokens.clone());
+        r.register("session_restore_seconds", "Seconds spent restoring sessions from disk", self.restore_seconds.clone());
+        r.register(
+            "session_restore_seconds_saved",
+            "Prefill seconds the restores from disk saved (restored tokens at the measured prefill rate)",
+            self.restore_seconds_saved.clone(),
+        );
+        r.register("session_disk_bytes", "Bytes of session state held on disk (--session-dir)", self.disk_bytes.clone());
+        r.register("session_disk_files", "Session files held on disk (--session-dir)", self.disk_files.clone());
+        r.register("session_disk_writes", "Session files written", self.disk_writes.clone());
+        r.register("session_disk_write_seconds", "Seconds the session writer spent writing files", self.disk_write_seconds.clone());
+        r.register("session_files_rejected", "Session files refused and deleted, by reason", self.files_rejected.clone());
+        r.register(
+            "session_evictions",
+            "Held sessions evicted, by reason (count, bytes, superseded: from memory; disk_full: from disk)",
+            self.evictions.clone(),
+        );
+        r.register("session_keys_held", "Distinct conversation keys among the sessions held in memory", self.keys_held.clone());
+        r.register("first_turn_routes", "Prompts that continued no held session, by route (local or remote)", self.first_turn_routes.clone());
+        for reason in ["count", "bytes", "superseded", "disk_full"] {
+            let _ = self.evictions.get_or_create(&label("reason", reason));
+        }
+        for route in ["local", "remote"] {
+            let _ = self.first_turn_routes.get_or_create(&label("route", route));
+        }
+    }
+
+    pub fn evicted(&self, reason: &str) {
+        self.evictions.get_or_create(&label("reason", reason)).inc();
+    }
+
+    pub fn rejected(&self, reason: &str) {
+        self.files_rejected.get_or_create(&label("reason", reason)).inc();
+    }
+
+    pub fn first_turn(&self, remote: bool) {
+        self.first_turn_routes.get_or_create(&label("route", if remote { "remote" } else { "local" })).inc();
+    }
 }
 
 fn label(k: &str, v: &str) -> Labels {
@@ -89,6 +170,11 @@ impl Metrics {
             queued: Gauge::default(),
             tokens_in_flight: Gauge::default(),
             cancelled: Counter::default(),
+            prefix_first_difference: Gauge::default(),
+            prefix_lost_tokens: Counter::default(),
+            undeclared_tool_calls: Counter::default(),
+            stripped_markers: Counter::default(),
+            store: StoreMetrics::default(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|e| e.into_inner());
@@ -100,11 +186,7 @@ impl Metrics {
             r.register("prefill_tokens", "Tokens prefilled, by where (local or remote)", m.prefill_tokens.clone());
             r.register("prefill_seconds", "Seconds spent prefilling, by where (local or remote)", m.prefill_seconds.clone());
             r.register("handoff_bytes", "Hand-off state bytes received from the prefill node", m.handoff_bytes.clone());
-            r.register(
-                "handoff_exposed_tail_seconds",
-                "Hand-off time not hidden behind the prefill node's compute",
-                m.handoff_exposed_tail_seconds.clone(),
-            );
+            r.register("handoff_exposed_tail_seconds", "Hand-off time not hidden behind the prefill node's compute", m.handoff_exposed_tail_seconds.clone());
             r.register("prefill_fallbacks", "Remote prefills that fell back to local prefill", m.prefill_fallbacks.clone());
             r.register(
                 "compatible_source_prefills",
@@ -118,10 +200,14 @@ impl Metrics {
             r.register("decode_tokens_per_second", "Decode speed of the last finished request", m.decode_tokens_per_second.clone());
             r.register("sessions_held", "Session states held for prefix reuse", m.sessions_held.clone());
             r.register("session_state_bytes", "Bytes of held session state", m.session_bytes.clone());
-            r.register("sessions_evicted", "Session states evicted (LRU)", m.sessions_evicted.clone());
+            r.register("sessions_evicted", "Session states evicted from memory (see session_evictions for the reasons)", m.sessions_evicted.clone());
             r.register("decode_batch_size", "Requests decoding together in the last decode step", m.batch_size.clone());
             r.register("decode_steps", "Decode steps run (each decodes one token of every running request)", m.decode_steps.clone());
-            r.register("decode_step_requests", "Requests decoded, summed over the decode steps (divided by decode_steps: the mean batch)", m.decode_step_jobs.clone());
+            r.register(
+                "decode_step_requests",
+                "Requests decoded, summed over the decode steps (divided by decode_steps: the mean batch)",
+                m.decode_step_jobs.clone(),
+            );
             r.register("queued_requests", "Requests waiting for the engine", m.queued.clone());
             r.register(
                 "tokens_in_flight",
@@ -129,6 +215,23 @@ impl Metrics {
                 m.tokens_in_flight.clone(),
             );
             r.register("cancelled_requests", "Requests cancelled because their client went away or a stop string ended them", m.cancelled.clone());
+            r.register(
+                "prefix_first_difference",
+                "Where the last prompt first differed from every held session state (tokens)",
+                m.prefix_first_difference.clone(),
+            );
+            r.register(
+                "prefix_lost_tokens",
+                "Prompt tokens equal to a held state but prefilled again: the held state went past the prompt's first difference (recurrent state cannot be cut back)",
+                m.prefix_lost_tokens.clone(),
+            );
+            r.register(
+                "undeclared_tool_calls",
+                "Tool calls the model wrote to tools the request did not declare (reported as text, not returned)",
+                m.undeclared_tool_calls.clone(),
+            );
+            r.register("stripped_markers", "Marker spellings removed from replies' text, and markers a reply ended inside", m.stripped_markers.clone());
+            m.store.register(&mut r);
         }
         // Make the label sets visible from the start.
         for w in ["local", "remote"] {

@@ -30,6 +30,22 @@ pub struct PrefillReport {
     pub compatible_source: Option<&'static str>,
 }
 
+/// A session's state out of the engine, in the canonical hand-off layout with the logits of its
+/// last position: what the disk store writes and restores (owned host data, `Send`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldState {
+    pub state: k3_protocol::handoff::HandoffState,
+    pub logits: Option<Vec<f32>>,
+}
+
+/// What a held state on disk must match to be used by an engine: the model's fingerprint and
+/// its text config (layer kinds and sizes).
+#[derive(Debug, Clone)]
+pub struct StateIdentity {
+    pub fingerprint: k3_protocol::Fingerprint,
+    pub text_config: k3_protocol::config::TextConfig,
+}
+
 /// What the HTTP side needs to prepare images for an engine that takes them.
 #[derive(Debug, Clone)]
 pub struct MediaSupport {
@@ -86,6 +102,21 @@ pub trait GenerationEngine: 'static {
     /// reuse after a divergence needs a copy taken before it). `s` is mutable because the copy
     /// may share state with it (the MLX engine freezes its rows into shared segments).
     fn fork(&mut self, s: &mut Self::Session) -> anyhow::Result<Self::Session>;
+
+    /// The identity states on disk are checked against; `None` (the default): this engine
+    /// cannot export or restore states, and the server keeps none on disk.
+    fn state_identity(&self) -> Option<StateIdentity> {
+        None
+    }
+    /// A session's state as host data (for the disk store); the session is unchanged (mutable
+    /// for the same reason as [`Self::fork`]).
+    fn export_held(&mut self, _s: &mut Self::Session) -> anyhow::Result<HeldState> {
+        anyhow::bail!("this engine does not export session states")
+    }
+    /// A session holding `tokens` from an exported state (the inverse of [`Self::export_held`]).
+    fn import_held(&mut self, _tokens: &[u32], _held: HeldState) -> anyhow::Result<Self::Session> {
+        anyhow::bail!("this engine does not restore session states")
+    }
 
     /// Image support: `None` (the default) when the model has no vision tower.
     fn media(&self) -> Option<MediaSupport> {

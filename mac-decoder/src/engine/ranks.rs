@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::engine::{GenerationEngine, MediaSupport, PrefillReport};
+use super::generation_engine::{GenerationEngine, MediaSupport, PrefillReport};
 use crate::distributed::{watchdog, Group};
 use crate::vision::PreprocessedImage;
 
@@ -80,13 +80,7 @@ fn exchange(world: &Group, msg: Option<&Msg>) -> Result<Msg> {
     let payload = msg.map(Msg::payload);
     let p = world.broadcast_i32(payload.as_deref(), (nf + nt) as usize)?;
     let (freed, tokens) = p.split_at(nf as usize);
-    Ok(Msg {
-        op,
-        session: h[2] as u32,
-        arg: h[3],
-        freed: freed.iter().map(|&x| x as u32).collect(),
-        tokens: tokens.iter().map(|&x| x as u32).collect(),
-    })
+    Ok(Msg { op, session: h[2] as u32, arg: h[3], freed: freed.iter().map(|&x| x as u32).collect(), tokens: tokens.iter().map(|&x| x as u32).collect() })
 }
 
 /// The wake-up connections between rank 0 and the followers (see the module docs): rank 0

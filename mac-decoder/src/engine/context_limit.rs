@@ -3,13 +3,10 @@
 //! tokens in K3) is what the weights allow, not what this machine holds: a request sized by it
 //! would be accepted and then exhaust memory. The default (`k3-decode serve` computes it before
 //! loading the model) is the most tokens whose per-token memory fits the context budget (half
-//! the memory available at start beside the model's weights, or `K3_CONTEXT_MEMORY_BYTES`),
-//! capped by `max_position_embeddings`.
+//! the memory available at start beside the model's weights, or `--context-memory-bytes`:
+//! [`crate::memory::budget`]), capped by `max_position_embeddings`.
 
 use k3_protocol::TextConfig;
-
-/// The environment variable that sets the context memory budget in bytes.
-pub const BUDGET_VAR: &str = "K3_CONTEXT_MEMORY_BYTES";
 
 /// The limit is rounded down to a multiple of this (and is at least this, or the model's own
 /// limit when smaller).
@@ -37,23 +34,12 @@ pub fn fit(c: &TextConfig, prefill_chunk: usize, budget: Option<u64>) -> usize {
     tokens.max(GRANULE).min(model)
 }
 
-/// The context memory budget: [`BUDGET_VAR`] if set, else half of what is available now beside
-/// `weight_bytes` still to be loaded; `None` where the memory cannot be read.
-pub fn budget(weight_bytes: u64) -> Option<u64> {
-    if let Some(v) = std::env::var(BUDGET_VAR).ok().and_then(|v| v.trim().parse().ok()) {
-        return Some(v);
-    }
-    crate::memory::available_bytes().map(|a| a.saturating_sub(weight_bytes) / 2)
-}
-
 /// The context limit of a server: `requested` when it is not 0 (`--max-context`), else
-/// [`fit`] for [`budget`] (`weight_bytes`: the model about to be loaded). Logged with how it
-/// was chosen.
-pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize, weight_bytes: u64) -> usize {
+/// [`fit`] for the context memory `budget`. Logged with how it was chosen.
+pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize, budget: Option<u64>) -> usize {
     if requested != 0 {
         return requested;
     }
-    let budget = budget(weight_bytes);
     let n = fit(c, prefill_chunk, budget);
     tracing::info!(
         tokens = n,
@@ -67,12 +53,11 @@ pub fn limit(c: &TextConfig, prefill_chunk: usize, requested: usize, weight_byte
 
 /// The bound on tokens in flight (prompt + `max_tokens` of the requests admitted and not
 /// finished) of a server: `requested` when it is not 0 (`--max-tokens-in-flight`), else
-/// [`in_flight_fit`] for [`budget`]. Logged.
-pub fn tokens_in_flight(c: &TextConfig, prefill_chunk: usize, max_context: usize, requested: usize, weight_bytes: u64) -> Option<usize> {
+/// [`in_flight_fit`] for the context memory `budget`. Logged.
+pub fn tokens_in_flight(c: &TextConfig, prefill_chunk: usize, max_context: usize, requested: usize, budget: Option<u64>) -> Option<usize> {
     if requested != 0 {
         return Some(requested);
     }
-    let budget = budget(weight_bytes);
     let n = in_flight_fit(c, prefill_chunk, max_context, budget);
     tracing::info!(tokens = n, budget_mb = budget.map(|b| b / 1_000_000), "tokens-in-flight limit (set another with --max-tokens-in-flight)");
     n
@@ -108,7 +93,7 @@ mod tests {
         assert_eq!(fit(&c, 256, Some(0)), GRANULE, "never below one granule");
         // a larger chunk costs more per token, so fits fewer
         assert!(fit(&c, 4096, Some(per * 100_000)) < fit(&c, 256, Some(per * 100_000)));
-        assert_eq!(limit(&c, 256, 5000, 0), 5000, "an explicit --max-context is kept");
+        assert_eq!(limit(&c, 256, 5000, None), 5000, "an explicit --max-context is kept");
     }
 
     #[test]
@@ -119,6 +104,6 @@ mod tests {
         assert_eq!(in_flight_fit(&c, 256, 4096, Some(per * 3 * model as u64)), Some(3 * model), "not capped by the model's context");
         assert_eq!(in_flight_fit(&c, 256, 4096, Some(per * 100)), Some(4096), "never below one context");
         assert_eq!(in_flight_fit(&c, 256, 4096, None), None);
-        assert_eq!(tokens_in_flight(&c, 256, 4096, 700, 0), Some(700), "an explicit --max-tokens-in-flight is kept");
+        assert_eq!(tokens_in_flight(&c, 256, 4096, 700, None), Some(700), "an explicit --max-tokens-in-flight is kept");
     }
 }
