@@ -7,6 +7,7 @@
 #   the device's used memory) and peak host memory as JSON lines; nvidia-smi's memory.used
 #   sampled every 100 ms beside (it counts the ballast).
 # Usage: BIN=path/to/k3-prefill OUT=dir [DEADLINE_S=420] [STEPS='emu24 emu32 h200 h200-524k'] scripts/gpu-memory-plan.sh
+#   more steps: emu24-pinned emu32-pinned (weights from --pin-host), emu24-profile emu32-profile
 # The lengths are the ones the plan admits on each card (`k3-prefill inspect --config DIR
 # --gpu-memory GB --host-memory GB` prints the longest prompt); a longer one is refused up front.
 set -uo pipefail
@@ -57,6 +58,12 @@ for step in ${STEPS:-emu24 emu32 h200 h200-524k}; do
     emu32) run emu32 ${EMU32_CAP:-240} --emulate-gpu-memory 32 --tokens ${EMU32_TOKENS:-32768,131072,262144} --repeats ${REPEATS:-3} ;;
     h200) run h200 ${H200_CAP:-100} --tokens ${H200_TOKENS:-131072,262144} --repeats ${REPEATS:-3} ;;
     h200-524k) run h200-524k ${H524_CAP:-90} --tokens ${H524_TOKENS:-524288} --repeats 1 ;;
+    # the same card from pinned host memory (`--pin-host`) instead of the page cache
+    emu24-pinned) run emu24-pinned ${EMU24_CAP:-200} --emulate-gpu-memory 24 --pin-host --tokens ${EMU24_TOKENS:-8192,32768,131072} --repeats ${REPEATS:-3} ;;
+    emu32-pinned) run emu32-pinned ${EMU32_CAP:-240} --emulate-gpu-memory 32 --pin-host --tokens ${EMU32_TOKENS:-32768,131072,262144} --repeats ${REPEATS:-3} ;;
+    # where the time of one row goes (GPU time per step, host time blocked): --profile's tables
+    emu24-profile) run emu24-profile ${EMU24_CAP:-200} --emulate-gpu-memory 24 --profile --tokens ${PROFILE_TOKENS:-32768} --repeats 1 ;;
+    emu32-profile) run emu32-profile ${EMU32_CAP:-240} --emulate-gpu-memory 32 --profile --tokens ${PROFILE_TOKENS:-32768} --repeats 1 ;;
   esac
 done
 kill $SMI 2>/dev/null

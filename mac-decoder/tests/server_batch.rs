@@ -49,11 +49,13 @@ async fn metric(s: &Server, name: &str) -> f64 {
     support::metric(&reqwest::get(format!("http://{}/metrics", s.addr)).await.unwrap().text().await.unwrap(), name)
 }
 
-/// Waits (up to `within`) until `name` reaches `at_least`; the time it took.
+/// Waits (up to `within`) until `name` reaches `at_least` (a series not yet shown counts as 0);
+/// the time it took.
 async fn wait_metric(s: &Server, name: &str, at_least: f64, within: Duration) -> Duration {
     let t0 = Instant::now();
     loop {
-        let v = metric(s, name).await;
+        let text = reqwest::get(format!("http://{}/metrics", s.addr)).await.unwrap().text().await.unwrap();
+        let v = support::find_metric(&text, name).unwrap_or(0.0);
         if v >= at_least {
             return t0.elapsed();
         }

@@ -77,12 +77,17 @@ pub async fn serve(state: AppState) -> SocketAddr {
 /// The value of the metric `name` (the whole series name, labels included) in a Prometheus text;
 /// panics naming it when it is missing.
 pub fn metric(text: &str, name: &str) -> f64 {
+    find_metric(text, name).unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+}
+
+/// The value of the metric `name` in a Prometheus text, `None` when the series is absent (a
+/// labelled series appears at its first use).
+pub fn find_metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find(|l| l.split_whitespace().next() == Some(name))
         .and_then(|l| l.split_whitespace().nth(1))
-        .map(|v| v.parse().unwrap())
-        .unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
+        .map(|v| v.parse().unwrap_or_else(|e| panic!("metric {name}: value {v:?}: {e}")))
 }
 
 /// A JSON `body` POSTed to `http://{addr}{path}` (60 s timeout): the status and the answer

@@ -502,11 +502,17 @@ impl<'c> Transfer<'c> {
     /// Cancels from the decoder's side; the prefill node's `send_layer` returns `Aborted`.
     pub async fn cancel(mut self, reason: &str) {
         self.finished = true;
-        self.tasks.abort_all();
         let peer = self.peer();
         let msg = Message::Abort(ErrorMsg { code: ErrorCode::Cancelled, message: reason.to_string() });
         let _ = write_message(&mut self.ctrl_send, peer, &msg).await;
+        // The readers go after the reason has been acknowledged, so the node learns why
+        // before its data streams are stopped.
         finish_and_flush(&mut self.ctrl_send, Duration::from_secs(2)).await;
+        // Then, bounded, until the node ends its side of the request stream (it does once it
+        // has read the reason and stopped): a connection closed right after the cancel would
+        // otherwise reach the node before the reason.
+        let _ = tokio::time::timeout(Duration::from_secs(1), async { while let Some(Ok(_)) = self.ctrl_rx.recv().await {} }).await;
+        self.tasks.abort_all();
     }
 }
 

@@ -91,9 +91,11 @@ impl LayerSender {
     }
 }
 
-/// Why a transfer must stop: the first failure of any task.
+/// Why a transfer must stop: the first failure of any task, except that the decoder's own
+/// `Abort` (its stated reason) replaces a data stream's stop, which a cancelling decoder causes
+/// too and which can reach the writer first.
 pub(crate) struct Shared {
-    first: StdMutex<Option<TransferError>>,
+    first: StdMutex<Option<(TransferError, bool)>>,
     stop: watch::Sender<bool>,
     /// Payload bytes handed to quinn.
     written: std::sync::atomic::AtomicU64,
@@ -112,15 +114,31 @@ impl Shared {
         Shared { first: StdMutex::new(None), stop: watch::channel(false).0, written: Default::default(), received: watch::channel(false).0 }
     }
     fn fail(&self, e: TransferError) {
+        self.record(e, false, false);
+    }
+    /// A data stream the decoder stopped reading: the transfer stops, and a reason the decoder
+    /// sends on the request stream still takes its place.
+    fn fail_stream_stopped(&self, e: TransferError) {
+        self.record(e, true, false);
+    }
+    /// The decoder's `Abort` on the request stream.
+    fn fail_peer_abort(&self, e: TransferError) {
+        self.record(e, false, true);
+    }
+    fn record(&self, e: TransferError, stream_stop: bool, peer_abort: bool) {
         if let Ok(mut g) = self.first.lock() {
-            if g.is_none() {
-                *g = Some(e);
+            let replace = match &*g {
+                None => true,
+                Some((_, was_stream_stop)) => *was_stream_stop && peer_abort,
+            };
+            if replace {
+                *g = Some((e, stream_stop));
             }
         }
         let _ = self.stop.send_replace(true);
     }
     fn error(&self) -> Option<TransferError> {
-        self.first.lock().ok().and_then(|g| g.clone())
+        self.first.lock().ok().and_then(|g| g.as_ref().map(|(e, _)| e.clone()))
     }
 }
 
@@ -176,6 +194,7 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
             Ok(Ok(())) => {
                 cx.shared.written.fetch_add(body.len() as u64, std::sync::atomic::Ordering::Relaxed);
             }
+            Ok(Err(e @ quinn::WriteError::Stopped(_))) => return cx.shared.fail_stream_stopped(write_error(cx.peer, e)),
             Ok(Err(e)) => return cx.shared.fail(write_error(cx.peer, e)),
             Err(_) => {
                 return cx.shared.fail(TransferError::Stalled {
@@ -190,7 +209,7 @@ async fn writer(mut s: quinn::SendStream, jobs: Arc<Mutex<mpsc::Receiver<Job>>>,
     // Wait until the peer has every byte of this stream (or stopped it).
     match tokio::time::timeout(cx.stall, s.stopped()).await {
         Ok(Ok(None)) => {}
-        Ok(Ok(Some(code))) => cx.shared.fail(TransferError::Aborted {
+        Ok(Ok(Some(code))) => cx.shared.fail_stream_stopped(TransferError::Aborted {
             peer: cx.peer,
             code: ErrorCode::Cancelled,
             message: format!("the peer stopped a data stream (code {code})"),
@@ -209,7 +228,7 @@ async fn watch_client(mut fr: FramedRecv, shared: Arc<Shared>, peer: SocketAddr,
         }
         Ok(Some(Message::Abort(e))) => {
             tracing::info!(%peer, request = id, "decoder cancelled: {:?}: {}", e.code, e.message);
-            shared.fail(TransferError::Aborted { peer, code: e.code, message: e.message })
+            shared.fail_peer_abort(TransferError::Aborted { peer, code: e.code, message: e.message })
         }
         Ok(Some(other)) => shared.fail(TransferError::Protocol { peer, reason: format!("unexpected {} during a transfer", other.name()) }),
         Ok(None) => shared.fail(TransferError::Protocol { peer, reason: "the decoder ended the request without confirming it".into() }),
