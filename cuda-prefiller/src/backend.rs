@@ -227,6 +227,8 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// One MoE layer's routed experts (MXFP4).
     type Experts: Send + Sync;
+    /// A buffer parked in host memory ([`Backend::park`]).
+    type Parked: Send;
 
     /// Short name (`"cpu"`, `"cuda"`), for logs. Callers ask what a backend can do through the
     /// methods below, never its name or type.
@@ -264,6 +266,13 @@ pub trait Backend: Send + Sync {
     fn download_later(&self, x: Self::Buf) -> OpResult<Box<dyn PendingDownload>> {
         Ok(Box::new(Downloaded(self.download(&x)?)))
     }
+    /// Moves `x` to host memory, where it stays until it is dropped (the executor parks the
+    /// AttnRes residual there between layers when the memory plan says so). A queueing device
+    /// starts the copy and does not wait for it; it keeps the device memory of at most
+    /// [`crate::memory_plan::PARKED_IN_FLIGHT`] parkings whose copies may still run.
+    fn park(&self, x: Self::Buf) -> OpResult<Self::Parked>;
+    /// A new device copy of a parked buffer (the parked one stays, to be read again).
+    fn unpark(&self, p: &Self::Parked) -> OpResult<Self::Buf>;
     /// A zero-filled buffer.
     fn zeros(&self, rows: usize, cols: usize) -> OpResult<Self::Buf>;
     /// Rows `row0 .. row0+n` of `x` as a new buffer.

@@ -214,10 +214,12 @@ pub struct LayerEvent<'a> {
     pub state: &'a LayerState,
 }
 
-/// A residual tensor of one chunk: on the backend or parked on the host.
+/// A residual tensor of one chunk: on the backend or parked on the host ([`Backend::park`]).
 enum Slot<B: Backend> {
     Dev(B::Buf),
-    Host { data: Vec<f32>, rows: usize, cols: usize },
+    Host(B::Parked),
+    /// Taken out for the layer in progress ([`attn_half`]); [`finish_chunk`] stores it back.
+    Taken,
 }
 
 enum Held<'a, B: Backend> {
@@ -239,22 +241,19 @@ impl<B: Backend> Slot<B> {
     fn get<'a>(&'a self, b: &B) -> anyhow::Result<Held<'a, B>> {
         Ok(match self {
             Slot::Dev(x) => Held::Ref(x),
-            Slot::Host { data, rows, cols } => Held::Own(b.upload(data, *rows, *cols)?),
+            Slot::Host(p) => Held::Own(b.unpark(p)?),
+            Slot::Taken => bail!("a chunk's running sum was read while its layer had it"),
         })
     }
     fn take(self, b: &B) -> anyhow::Result<B::Buf> {
         match self {
             Slot::Dev(x) => Ok(x),
-            Slot::Host { data, rows, cols } => b.upload(&data, rows, cols),
+            Slot::Host(p) => b.unpark(&p),
+            Slot::Taken => bail!("a chunk's running sum was taken twice"),
         }
     }
     fn store(b: &B, x: B::Buf, park: bool) -> anyhow::Result<Self> {
-        if park {
-            let (rows, cols) = (x.rows(), x.cols());
-            Ok(Slot::Host { data: b.download(&x)?, rows, cols })
-        } else {
-            Ok(Slot::Dev(x))
-        }
+        Ok(if park { Slot::Host(b.park(x)?) } else { Slot::Dev(x) })
     }
 }
 
@@ -373,7 +372,7 @@ fn attn_half<B: Backend>(cx: &LayerCtx<'_, B>, ch: &mut ChunkResidual<B>, cache:
         bank.push(s.get(b)?);
     }
     let mut new_bank: Vec<B::Buf> = Vec::new();
-    let mut p = Some(std::mem::replace(&mut ch.p, Slot::Host { data: Vec::new(), rows: 0, cols: 0 }).take(b)?);
+    let mut p = Some(std::mem::replace(&mut ch.p, Slot::Taken).take(b)?);
 
     let hmix = mix(b, &bank, p.as_ref().unwrap(), &w.attn_res.norm, &w.attn_res.proj, d.eps)?;
     let x = b.rms_norm(hmix.as_ref().unwrap_or(p.as_ref().unwrap()), &w.input_layernorm, d.eps)?;

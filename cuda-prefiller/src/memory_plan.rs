@@ -27,6 +27,11 @@ use crate::expert_layout::ExpertLayout;
 /// tokens, which bounded the prompts of a 24 GB card).
 pub const MLA_KEY_BLOCK: usize = 8192;
 
+/// Residual tensors on their way to the host at once when the bank is parked there (the
+/// executor waits for a parking's copy only this many parkings later, so the compute stream
+/// never drains for one); each is one chunk's running sum or bank entry on the device.
+pub const PARKED_IN_FLIGHT: usize = 4;
+
 /// Taken from the device's free memory when no `--vram-budget` is given (cuBLAS and NVRTC
 /// allocations beside the planned ones, allocator granularity), bytes.
 pub const DEFAULT_MARGIN: u64 = 750_000_000;
@@ -638,6 +643,7 @@ fn size(g: &Geometry, be: &BackendShape, reqs: &[PlanRequest], lim: Limits, k: &
         Placement::Device => dev.push(("AttnRes bank and running sum, every token", u(total * resid_per_token))),
         Placement::Host => {
             dev.push(("AttnRes bank and running sum, one chunk", u(chunk.min(total) * resid_per_token)));
+            dev.push(("AttnRes residuals on their way to the host", u(PARKED_IN_FLIGHT * chunk.min(total) * h * 4)));
             host.push(("AttnRes bank and running sum (parked)", u(total * resid_per_token)));
         }
     }

@@ -173,6 +173,25 @@ fn run(p: Precision, golden: bool) {
         check_golden(&g, &o2, 0);
     }
 
+    // the residual parked on the host between layers (the bank of a small card's plan): its
+    // copies run on the download stream and are waited for a few parkings later; five chunks
+    // of 64 tokens give more parkings than are kept in flight. Pure data movement: the same bits
+    let opts64 = ExecOptions { chunk_tokens: 64, ..Default::default() };
+    let parked = ExecOptions { park_on_host: true, ..opts64.clone() };
+    let mut s_sync64 = HandoffState::empty(&m.cfg);
+    let sync64 = prefill(&m, &mut s_sync64, PrefillInput::tokens(&ids), &opts64, |_| Ok(())).expect("synchronous prefill");
+    let mut s_park = HandoffState::empty(&m.cfg);
+    let park_sync = prefill(&m, &mut s_park, PrefillInput::tokens(&ids), &parked, |_| Ok(())).expect("parked prefill");
+    assert_same(&format!("{p:?} residual parked on the host"), (&park_sync, &s_park), (&sync64, &s_sync64));
+    let mut s_park2 = HandoffState::empty(&m.cfg);
+    // one chunk per expert window when parked: the streamer streams the experts once per window
+    let windows = cuda_prefiller::executor::expert_windows(&[ids.len()], &parked).len();
+    assert!(windows > 1, "{windows} windows");
+    let mut feed = sw.feed_for(windows).expect("feed");
+    let park_str = prefill_with(&m, &mut feed, &mut s_park2, PrefillInput::tokens(&ids), &parked, |_| Ok(())).expect("parked streamed prefill");
+    feed.finish().expect("stream stats");
+    assert_same(&format!("{p:?} residual parked on the host, streamed experts"), (&park_str, &s_park2), (&sync64, &s_sync64));
+
     // split prefill: 170 tokens, then the rest continuing from that state
     let split = 170;
     let (mut a, mut b) = (HandoffState::empty(&m.cfg), HandoffState::empty(&m.cfg));

@@ -84,6 +84,7 @@ impl Backend for CpuBackend {
     type Buf = CpuTensor;
     type Weight = CpuTensor;
     type Experts = CpuExperts;
+    type Parked = CpuTensor;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -95,6 +96,14 @@ impl Backend for CpuBackend {
 
     fn download(&self, x: &CpuTensor) -> OpResult<Vec<f32>> {
         Ok(x.data.clone())
+    }
+
+    fn park(&self, x: CpuTensor) -> OpResult<CpuTensor> {
+        Ok(x)
+    }
+
+    fn unpark(&self, p: &CpuTensor) -> OpResult<CpuTensor> {
+        Ok(p.clone())
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> OpResult<CpuTensor> {

@@ -254,6 +254,16 @@ pub struct CudaBackend {
     /// ([`crate::memory_plan::MLA_KEY_BLOCK`], which the plan sizes; tests set a small one to
     /// cross block edges).
     pub mla_key_block: usize,
+    /// Device buffers of recent parkings whose copies to the host may still run, oldest first
+    /// ([`Backend::park`]; at most [`crate::memory_plan::PARKED_IN_FLIGHT`]).
+    parking: Mutex<std::collections::VecDeque<(Arc<crate::cuda::gpu::Event>, CudaBuf)>>,
+}
+
+/// [`Backend::park`] on CUDA: the buffer's values in page-locked host memory.
+pub struct CudaParked {
+    host: crate::cuda::gpu::HostParked,
+    rows: usize,
+    cols: usize,
 }
 
 impl CudaBackend {
@@ -294,6 +304,7 @@ impl CudaBackend {
             moe_workers: Mutex::new(None),
             mla_kernel: opts.mla_kernel,
             mla_key_block: crate::memory_plan::MLA_KEY_BLOCK,
+            parking: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -720,6 +731,7 @@ fn gemm_step(w: &str) -> &'static str {
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Weight = CudaWeight;
+    type Parked = CudaParked;
     type Experts = CudaExperts;
 
     fn name(&self) -> &'static str {
@@ -756,6 +768,40 @@ impl Backend for CudaBackend {
         let mut v = vec![0f32; x.len()];
         self.gpu.dtoh(&mut v, x.ptr())?;
         Ok(v)
+    }
+
+    fn park(&self, x: CudaBuf) -> OpResult<CudaParked> {
+        profile::begin(&self.gpu, "uploads, downloads")?;
+        let (rows, cols) = (x.rows, x.cols);
+        let host = self.gpu.park(x.ptr(), x.len() * 4)?;
+        // the source stays allocated until its copy is done: keep the last few, and wait only
+        // for the one that falls out (long done, as a rule)
+        let oldest = {
+            let mut q = self.parking.lock().map_err(|_| anyhow!("parking queue poisoned"))?;
+            // sources whose copies are done are freed now
+            while q.front().is_some_and(|(copied, _)| copied.is_done()) {
+                q.pop_front();
+            }
+            q.push_back((host.copied.clone(), x));
+            if q.len() > crate::memory_plan::PARKED_IN_FLIGHT {
+                q.pop_front()
+            } else {
+                None
+            }
+        };
+        if let Some((copied, src)) = oldest {
+            copied.sync()?;
+            drop(src);
+        }
+        Ok(CudaParked { host, rows, cols })
+    }
+
+    fn unpark(&self, p: &CudaParked) -> OpResult<CudaBuf> {
+        profile::begin(&self.gpu, "uploads, downloads")?;
+        let b = self.empty(p.rows, p.cols)?;
+        ensure!(p.host.len() == b.len() * 4, "a parked buffer of {} bytes for [{}, {}]", p.host.len(), p.rows, p.cols);
+        self.gpu.unpark(&p.host, b.ptr())?;
+        Ok(b)
     }
 
     fn download_later(&self, x: CudaBuf) -> OpResult<Box<dyn crate::backend::PendingDownload>> {

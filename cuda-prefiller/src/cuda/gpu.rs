@@ -144,6 +144,42 @@ const STAGING_GRAIN: usize = 2 << 20;
 /// Idle staging bytes above which idle buffers too small for a request are freed first.
 const STAGING_KEEP: usize = 2 << 30;
 
+/// Device memory parked in a page-locked buffer of the staging pool ([`Gpu::park`]); the
+/// buffer goes back to the pool when this is dropped, once the copies that read it are done.
+pub struct HostParked {
+    gpu: Arc<Gpu>,
+    buf: Option<Staged>,
+    bytes: usize,
+    /// After the copy into `buf` (download stream).
+    pub copied: Arc<Event>,
+    /// After the last copy out of `buf` (compute stream).
+    last_read: Mutex<Option<Event>>,
+}
+
+impl HostParked {
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for HostParked {
+    fn drop(&mut self) {
+        let Some(buf) = self.buf.take() else { return };
+        let busy = match self.last_read.get_mut().ok().and_then(|e| e.take()) {
+            Some(e) => Some(e),
+            None => {
+                // never read back: the pool may reuse the buffer only after the parking's copy
+                let _ = self.copied.sync();
+                None
+            }
+        };
+        self.gpu.staging_give(buf, busy);
+    }
+}
+
 /// A device-to-host copy in flight on the download stream ([`Gpu::dtoh_start`]); its values are
 /// taken by [`Download::finish_into`]. The source must stay allocated and unchanged until then.
 pub struct Download {
@@ -604,6 +640,43 @@ impl Gpu {
         }
         let (buf, done) = self.issue_download(src, n)?;
         Ok(Download { gpu: self.clone(), bytes: n, how: DownloadHow::Pending { buf: Some(buf), done } })
+    }
+
+    /// Parks `n` bytes of device memory at `src` in a page-locked buffer of the staging pool:
+    /// the copy is queued on the download stream after the compute stream's work so far and
+    /// nothing waits for it here. The caller keeps `src` allocated until [`HostParked::copied`]
+    /// has completed.
+    pub fn park(self: &Arc<Self>, src: sys::CUdeviceptr, n: usize) -> Result<HostParked> {
+        self.bind()?;
+        let (buf, done) = self.issue_download(src, n)?;
+        Ok(HostParked { gpu: self.clone(), buf: Some(buf), bytes: n, copied: Arc::new(done), last_read: Mutex::new(None) })
+    }
+
+    /// Copies a parked buffer back to `dst` on the compute stream, straight from its page-locked
+    /// memory (no host copy, no host wait): the compute stream first waits, on the GPU, for the
+    /// parking's copy.
+    pub fn unpark(&self, p: &HostParked, dst: sys::CUdeviceptr) -> Result<()> {
+        self.bind()?;
+        let t0 = std::time::Instant::now();
+        let buf = p.buf.as_ref().context("a parked buffer without its memory")?;
+        p.copied.wait_on(self.streams.compute)?;
+        // page-locked memory is device-accessible (unified addressing); its device address
+        let mut src: sys::CUdeviceptr = 0;
+        // SAFETY: `buf` is a live cuMemHostAlloc allocation.
+        unsafe { ck(sys::cuMemHostGetDevicePointer_v2(&mut src, buf.ptr as *mut c_void, 0), "device address of a parked buffer")? };
+        match self.host_copy {
+            HostCopy::Kernel | HostCopy::Split => self.copy_kernel(src, dst, p.bytes, "host-to-device copy (parked)")?,
+            HostCopy::Streams | HostCopy::Engine => unsafe {
+                // SAFETY: page-locked source of p.bytes bytes, kept until `last_read` completes.
+                ck(sys::cuMemcpyHtoDAsync_v2(dst, buf.ptr as *const c_void, p.bytes, self.streams.compute), "host-to-device copy (parked)")?
+            },
+        }
+        let read = self.event_sync_only()?;
+        read.record(self.streams.compute)?;
+        // a later copy on the same stream: the earlier event is implied by this one
+        *p.last_read.lock().map_err(|_| anyhow!("parked buffer poisoned"))? = Some(read);
+        super::host_wait::host_blocked(self.profile, "host-to-device copy (parked)", p.bytes, t0.elapsed());
+        Ok(())
     }
 
     /// A staging buffer of at least `n` bytes with the copy of `src` into it queued on the
