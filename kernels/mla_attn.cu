@@ -104,7 +104,11 @@ extern "C" __global__ void mla_pack_vt(const float* __restrict__ kv, i64 kvs, bf
 // on sm_90 the backend runs mla_attn_sm90.cu instead).
 // Block: 128 query rows (8 warps x 16), key tiles of 64 double-buffered with cp.async; K and V
 // fragments by ldmatrix; p = 2^(s*scale*log2e - m*scale*log2e) as one FFMA + one EX2.
-// Queries are rows 0..Tq of Qb at absolute positions pos0..pos0+Tq; keys 0..pos0+Tq of Kb/Vb.
+// Queries are rows 0..Tq of Qb at absolute positions pos0..pos0+Tq; Kb/Vb ([H][kld][..]) hold the
+// keys kbase .. kbase + nk of the T = pos0 + Tq positions: one call over every key, or key blocks in
+// order (kbase a multiple of 64, the last ending at T) carried between calls through out
+// (unnormalised) and st ([Tq][H][8] f32: the four column threads' partial denominators, the row
+// maximum), bit for bit the one-call result (mla_attn_sm90.cu says how).
 // Grid: (ceil(Tq/128), H).
 #define FA_BQ 128
 #define FA_BK 64
@@ -125,7 +129,7 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t* __restrict__ Qb,
         const bf16_t* __restrict__ Kb, const bf16_t* __restrict__ Vb, float* __restrict__ out, i64 os,
-        int Tq, int pos0, int H, float scale) {
+        int Tq, int pos0, int H, int kbase, int nk, int kld, float* __restrict__ st, float scale) {
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16_t* Ks = (bf16_t*)smraw;                  // [2][FA_BK][FA_KLD]
     bf16_t* Vs = Ks + 2 * FA_BK * FA_KLD;         // [2][FA_BK][FA_VLD]
@@ -134,13 +138,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int g = lane >> 2, t4 = lane & 3;
     const int T = pos0 + Tq;  // keys
+    const int kend = kbase + nk;
     const bf16_t* Qh = Qb + (i64)h * Tq * MLA_DQK;
-    const bf16_t* Kh = Kb + (i64)h * T * MLA_DQK;
-    const bf16_t* Vh = Vb + (i64)h * T * MLA_DV;
+    const bf16_t* Kh = Kb + (i64)h * kld * MLA_DQK;
+    const bf16_t* Vh = Vb + (i64)h * kld * MLA_DV;
     // query rows in absolute positions: row r of this warp = q0 + .., local index r - pos0
     int q0 = pos0 + qb * FA_BQ + warp * 16;
     int last_row = min(pos0 + qb * FA_BQ + FA_BQ, T) - 1;
-    int ntiles = last_row / FA_BK + 1;
+    if (last_row < kbase) return;  // every row of this block ended in an earlier key block
+    int ntiles = (min(last_row + 1, kend) - kbase + FA_BK - 1) / FA_BK;
 
     // Q fragments for the warp's 16 rows
     u32 qf[MLA_DQK / 16][4];
@@ -156,21 +162,39 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
 #pragma unroll
     for (int j = 0; j < MLA_DV / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    if (kbase > 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int row = q0 + g + 8 * r;
+            // rows that ended in an earlier block, and rows past Tq, run on finite zeros, never stored
+            mrow[r] = 0.0f;
+            if (row < kbase || row >= T) continue;
+            const float* srow = st + ((i64)(row - pos0) * H + h) * 8;
+            lrow[r] = srow[t4];
+            mrow[r] = srow[4];
+#pragma unroll
+            for (int jn = 0; jn < MLA_DV / 8; ++jn) {
+                float2 v = *(const float2*)(out + (i64)(row - pos0) * os + (i64)h * MLA_DV + jn * 8 + 2 * t4);
+                o[jn][2 * r] = v.x;
+                o[jn][2 * r + 1] = v.y;
+            }
+        }
+    }
     const float sl2 = scale * 1.4426950408889634f;
 
     auto load_tile = [&](int j, int buf) {
-        int k0 = j * FA_BK;
+        int k0 = j * FA_BK;  // within the block
         bf16_t* kd = Ks + buf * FA_BK * FA_KLD;
         bf16_t* vd = Vs + buf * FA_BK * FA_VLD;
         const int kchunks = FA_BK * MLA_DQK / 8, vchunks = FA_BK * MLA_DV / 8;
         for (int c = tid; c < kchunks; c += blockDim.x) {
             int r = c / (MLA_DQK / 8), cc = (c % (MLA_DQK / 8)) * 8;
-            bool ok = k0 + r < T;
+            bool ok = k0 + r < nk;
             cp_async16(kd + r * FA_KLD + cc, ok ? (const void*)(Kh + (i64)(k0 + r) * MLA_DQK + cc) : (const void*)Kh, ok ? 16 : 0);
         }
         for (int c = tid; c < vchunks; c += blockDim.x) {
             int r = c / (MLA_DV / 8), cc = (c % (MLA_DV / 8)) * 8;
-            bool ok = k0 + r < T;
+            bool ok = k0 + r < nk;
             cp_async16(vd + r * FA_VLD + cc, ok ? (const void*)(Vh + (i64)(k0 + r) * MLA_DV + cc) : (const void*)Vh, ok ? 16 : 0);
         }
         asm volatile("cp.async.commit_group;\n" ::);
@@ -185,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
             asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
-        int k0 = j * FA_BK;
+        int k0 = kbase + j * FA_BK;  // absolute
         if (k0 <= q0 + 15 && q0 < T) {
             const bf16_t* kt = Ks + (j & 1) * FA_BK * FA_KLD;
             const bf16_t* vt = Vs + (j & 1) * FA_BK * FA_VLD;
@@ -205,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
                 }
             }
             // raw scores; masked ones -inf; p = 2^(s*scale*log2e - m*scale*log2e), one FFMA + one EX2 each
-            bool need_mask = (k0 + FA_BK - 1 > q0) || (k0 + FA_BK > T);
+            bool need_mask = (k0 + FA_BK - 1 > q0) || (k0 + FA_BK > kend);
             if (need_mask) {
 #pragma unroll
                 for (int n = 0; n < FA_BK / 8; ++n)
@@ -213,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
                     for (int e = 0; e < 4; ++e) {
                         int key = k0 + n * 8 + 2 * t4 + (e & 1);
                         int row = q0 + g + ((e >> 1) << 3);
-                        if (key > row || key >= T) s[n][e] = NEG_INF;
+                        if (key > row || key >= kend) s[n][e] = NEG_INF;
                     }
             }
             float tmax[2] = {mrow[0], mrow[1]};
@@ -269,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
         }
         __syncthreads();
     }
+    float part[2] = {lrow[0], lrow[1]};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
@@ -277,7 +302,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_attn_bf16(const bf16_t*
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int row = q0 + g + 8 * r;
-        if (row >= T) continue;
+        if (row >= T || row < kbase) continue;
+        if (row >= kend) {  // the row's keys go on in the next block: its running sums
+            float* srow = st + ((i64)(row - pos0) * H + h) * 8;
+            srow[t4] = part[r];
+            if (t4 == 0) srow[4] = mrow[r];
+#pragma unroll
+            for (int jn = 0; jn < MLA_DV / 8; ++jn)
+                *(float2*)(out + (i64)(row - pos0) * os + (i64)h * MLA_DV + jn * 8 + 2 * t4) = make_float2(o[jn][2 * r], o[jn][2 * r + 1]);
+            continue;
+        }
         float inv = 1.0f / lrow[r];
 #pragma unroll
         for (int jn = 0; jn < MLA_DV / 8; ++jn) {

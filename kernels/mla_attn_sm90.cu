@@ -14,8 +14,15 @@
 // (the hardware applies the XOR to the final address, so panels must start 1024-byte aligned).
 //
 // Inputs (packed by mla_attn.cu: mla_pack_q, mla_pack_kv for K, mla_pack_vt for V^T):
-//   Qb [H][Tq][DQK], Kb [H][T][DQK] (T = pos0 + Tq), Vt [H][DV][vt_ld] with vt_ld a multiple of 128
-//   (>= T) and zeros in the columns T..vt_ld.
+//   Qb [H][Tq][DQK], Kb [H][kld][DQK], Vt [H][DV][vt_ld] with vt_ld a multiple of 128 (>= nk) and
+//   zeros in the columns nk..vt_ld: the keys kbase .. kbase + nk of the T = pos0 + Tq positions.
+//
+// Key blocks: one call may see a block of the keys only (kbase a multiple of 128; the blocks of one
+// attention come in order and the last ends at T). A row whose own key lies past the block ends the
+// call unnormalised, its running sums in st ([Tq][H][8] f32: the four column threads' partial
+// denominators, then the row maximum) and its accumulator in out; the next block's call resumes
+// from there. Each key tile sees the same operations in the same order as in one call over every
+// key, so the result is bit for bit the one-call result. st is unused when one call holds every key.
 //
 // Entry points (launcher: cuda-prefiller/src/cuda/kernels.rs, mla_attn_sm90):
 //   mla_attn_sm90_m192    3 warpgroups (192 rows), 64-key tiles, 2 stages (fewer K/V bytes per FLOP;
@@ -98,8 +105,8 @@ __device__ __forceinline__ void wg_mma_s(float* d, unsigned long long da, unsign
 
 template <int NWG, int BK, int NSTG>
 __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, const bf16_t* __restrict__ Kb,
-        const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os, int Tq, int pos0, float scale,
-        unsigned char* smraw) {
+        const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os, int Tq, int pos0, int kbase, int nk,
+        int kld, float* __restrict__ st, float scale, unsigned char* smraw) {
     constexpr int NT = NWG * 128;          // threads
     constexpr int BQ = NWG * 64;           // query rows per CTA
     constexpr int PQ = BQ * 128;           // bytes of one Q panel
@@ -113,13 +120,15 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, t4 = lane & 3;
     const int T = pos0 + Tq;
+    const int kend = kbase + nk;  // keys of this call: kbase .. kend
     const bf16_t* Qh = Qb + (i64)h * Tq * MLA_DQK;
-    const bf16_t* Kh = Kb + (i64)h * T * MLA_DQK;
+    const bf16_t* Kh = Kb + (i64)h * kld * MLA_DQK;
     const bf16_t* Vh = Vt + (i64)h * MLA_DV * vt_ld;
     const int row_base = pos0 + qb * BQ + wg * 64;  // absolute position of this warpgroup's first row
     const int rowA = row_base + wl * 16 + g, rowB = rowA + 8;
     const int last_row = min(pos0 + qb * BQ + BQ, T) - 1;
-    const int ntiles = last_row / BK + 1;
+    if (last_row < kbase) return;  // every row of this CTA ended in an earlier block
+    const int ntiles = (min(last_row + 1, kend) - kbase + BK - 1) / BK;
     const int wg_last = min(row_base + 63, T - 1);
 
     // Q block (rows past Tq read as zeros), committed with key tile 0
@@ -135,11 +144,11 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
             asm volatile("cp.async.commit_group;\n" ::);
             return;
         }
-        const int k0 = j * BK;
+        const int k0 = j * BK;  // within the block
         const u32 kd = sbase + W_QP * PQ + (j % NSTG) * STAGE, vd = kd + W_QP * PK;
         for (int c = tid; c < BK * (MLA_DQK / 8); c += NT) {
             int r = c / (MLA_DQK / 8), cc = c % (MLA_DQK / 8);
-            bool ok = k0 + r < T;
+            bool ok = k0 + r < nk;
             cp16(kd + (cc >> 3) * PK + swz(r, cc & 7), Kh + (i64)(ok ? k0 + r : 0) * MLA_DQK + cc * 8, ok ? 16 : 0);
         }
         for (int c = tid; c < MLA_DV * (BK / 8); c += NT) {
@@ -155,6 +164,25 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    if (kbase > 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int row = r ? rowB : rowA;
+            // rows that ended in an earlier block, and rows past Tq, run on finite zeros, never stored
+            mrow[r] = 0.0f;
+            if (row < kbase || row >= T) continue;
+            const float* srow = st + ((i64)(row - pos0) * gridDim.y + blockIdx.y) * 8;
+            lrow[r] = srow[t4];
+            mrow[r] = srow[4];
+            const float* orow = out + (i64)(row - pos0) * os + (i64)blockIdx.y * MLA_DV;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                float2 v = *(const float2*)(orow + 8 * i + 2 * t4);
+                o[4 * i + 2 * r] = v.x;
+                o[4 * i + 2 * r + 1] = v.y;
+            }
+        }
+    }
     const float sl2 = scale * 1.4426950408889634f;
 
     for (int j = 0; j < ntiles; ++j) {
@@ -165,7 +193,7 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         load_tile(j + NSTG - 1);
-        const int k0 = j * BK;
+        const int k0 = kbase + j * BK;  // absolute
         if (k0 > wg_last) continue;  // every key of this tile is after every row of this warpgroup
         const u32 kt = sbase + W_QP * PQ + (j % NSTG) * STAGE, vt = kt + W_QP * PK;
         float s[NS];
@@ -181,14 +209,14 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
         wg_fence_regs<NS>(s);
 
         // s[4i + e]: row rowA (e < 2) or rowB, key k0 + 8i + 2*t4 + (e & 1)
-        if (k0 + BK - 1 > row_base || k0 + BK > T) {
+        if (k0 + BK - 1 > row_base || k0 + BK > kend) {
 #pragma unroll
             for (int i = 0; i < BK / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int key = k0 + 8 * i + 2 * t4 + (e & 1);
                     int row = e < 2 ? rowA : rowB;
-                    if (key > row || key >= T) s[4 * i + e] = NEG_INF;
+                    if (key > row || key >= kend) s[4 * i + e] = NEG_INF;
                 }
         }
         float mx[2] = {mrow[0], mrow[1]};
@@ -202,7 +230,8 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            // mx is finite: key 0 of tile 0 is visible to every row, and tiles run in order
+            // mx is finite: key 0 of tile 0 is visible to every row, tiles run in order, and a later
+            // block starts from the row's maximum so far
             alpha[r] = ex2((mrow[r] - mx[r]) * sl2);
             mrow[r] = mx[r];
             ms[r] = mx[r] * sl2;
@@ -236,6 +265,7 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
+    float part[2] = {lrow[0], lrow[1]};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
@@ -244,9 +274,17 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int row = r ? rowB : rowA;
-        if (row >= T) continue;
-        float inv = 1.0f / lrow[r];
+        if (row >= T || row < kbase) continue;
         float* orow = out + (i64)(row - pos0) * os + (i64)blockIdx.y * MLA_DV;
+        if (row >= kend) {  // the row's keys go on in the next block: its running sums
+            float* srow = st + ((i64)(row - pos0) * gridDim.y + blockIdx.y) * 8;
+            srow[t4] = part[r];
+            if (t4 == 0) srow[4] = mrow[r];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) *(float2*)(orow + 8 * i + 2 * t4) = make_float2(o[4 * i + 2 * r], o[4 * i + 2 * r + 1]);
+            continue;
+        }
+        float inv = 1.0f / lrow[r];
 #pragma unroll
         for (int i = 0; i < 16; ++i)
             *(float2*)(orow + 8 * i + 2 * t4) = make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
@@ -256,9 +294,9 @@ __device__ __forceinline__ void mla_sm90_body(const bf16_t* __restrict__ Qb, con
 #define MLA_SM90_ENTRY(NAME, NWG, BK, NSTG)                                                                              \
     extern "C" __global__ void __launch_bounds__(NWG * 128, 1) NAME(const bf16_t* __restrict__ Qb,                      \
             const bf16_t* __restrict__ Kb, const bf16_t* __restrict__ Vt, i64 vt_ld, float* __restrict__ out, i64 os,  \
-            int Tq, int pos0, int H, float scale) {                                                                     \
+            int Tq, int pos0, int H, int kbase, int nk, int kld, float* __restrict__ st, float scale) {                 \
         extern __shared__ __align__(1024) unsigned char smraw[];                                                         \
-        mla_sm90_body<NWG, BK, NSTG>(Qb, Kb, Vt, vt_ld, out, os, Tq, pos0, scale, smraw);                                 \
+        mla_sm90_body<NWG, BK, NSTG>(Qb, Kb, Vt, vt_ld, out, os, Tq, pos0, kbase, nk, kld, st, scale, smraw);             \
     }
 MLA_SM90_ENTRY(mla_attn_sm90, 2, 128, 2)
 MLA_SM90_ENTRY(mla_attn_sm90_m192, 3, 64, 2)

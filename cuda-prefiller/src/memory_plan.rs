@@ -81,18 +81,23 @@ pub struct BackendShape {
     pub streams_weights: bool,
     /// The backend's preferred chunk when memory allows.
     pub default_chunk: usize,
+    /// Routed rows per expert (mean) from which the experts run on the dense path, which keeps
+    /// the SiTU rows per worker slice instead of for every routed row (CUDA BF16; None: never).
+    pub dense_experts_from: Option<usize>,
 }
 
 impl BackendShape {
     pub fn cpu() -> Self {
-        BackendShape { cuda: false, operand_bytes: 4, streams_weights: false, default_chunk: 512 }
+        BackendShape { cuda: false, operand_bytes: 4, streams_weights: false, default_chunk: 512, dense_experts_from: None }
     }
-    pub fn cuda(bf16: bool, total_device: u64) -> Self {
+    /// `dense_from`: the backend's dense-path threshold (rows per expert), used in BF16 only.
+    pub fn cuda(bf16: bool, total_device: u64, dense_from: usize) -> Self {
         BackendShape {
             cuda: true,
             operand_bytes: if bf16 { 2 } else { 4 },
             streams_weights: true,
             default_chunk: if total_device >= 64 << 30 { 16384 } else { 4096 },
+            dense_experts_from: bf16.then_some(dense_from),
         }
     }
 }
@@ -224,14 +229,15 @@ impl Geometry {
     }
 
     /// Bytes per routed row inside the experts: the grouped input (operand size), the f32
-    /// grouped output, the SiTU rows (operand size), ids/weights/positions.
-    fn expert_row_bytes(&self, operand: usize) -> usize {
-        self.latent * (operand + 4) + self.moe_inter * operand + 16
+    /// grouped output, ids/weights/positions, and the SiTU rows (operand size) unless the
+    /// dense path keeps them per worker slice.
+    fn expert_row_bytes(&self, operand: usize, situ_rows: bool) -> usize {
+        self.latent * (operand + 4) + if situ_rows { self.moe_inter * operand } else { 0 } + 16
     }
 
-    /// MLA attention over `tk` context positions: the expanded K/V (f32) of the whole context
-    /// and, on CUDA, the packed operands (operand size: K of q/k width, V or Vᵀ of v width), per
-    /// key. CUDA in BF16 expands the keys one block at a time ([`Self::attn_bytes`]).
+    /// MLA attention over `tk` context positions, per key whose operands exist at once: the
+    /// expanded K/V (f32) and, on CUDA, the packed operands (operand size: K of q/k width, V or
+    /// Vᵀ of v width). CUDA in BF16 takes the keys a block at a time ([`Self::attn_bytes`]).
     fn attn_bytes_per_key(&self, be: &BackendShape) -> usize {
         let h = self.mla_heads;
         let f32_kv = h * (self.mla_nope + self.mla_v) * 4;
@@ -244,17 +250,19 @@ impl Geometry {
         }
     }
 
-    /// MLA attention's key-side workspace over `tk` context positions: per key
-    /// ([`Self::attn_bytes_per_key`]), plus, on CUDA in BF16, the f32 expansion of one block of
-    /// keys ([`MLA_KEY_BLOCK`]) and its BF16 latent input.
-    fn attn_bytes(&self, be: &BackendShape, tk: usize) -> usize {
-        let block = if be.cuda && be.operand_bytes == 2 {
+    /// MLA attention's key-side workspace over `tk` context positions for `tq` queries: per key
+    /// ([`Self::attn_bytes_per_key`]) for the whole context, or, on CUDA in BF16, for one block
+    /// of keys ([`MLA_KEY_BLOCK`]: expanded to f32 from its BF16 latent input, packed, and
+    /// attended before the next, with the query rows' running sums carried between blocks).
+    fn attn_bytes(&self, be: &BackendShape, tq: usize, tk: usize) -> usize {
+        if be.cuda && be.operand_bytes == 2 {
             let rows = tk.min(MLA_KEY_BLOCK);
-            rows * (self.mla_heads * (self.mla_nope + self.mla_v) * 4 + self.mla_latent * 2)
+            let expand = rows * (self.mla_heads * (self.mla_nope + self.mla_v) * 4 + self.mla_latent * 2);
+            let carry = if tk > MLA_KEY_BLOCK { tq * self.mla_heads * 8 * 4 } else { 0 };
+            rows * self.attn_bytes_per_key(be) + expand + carry
         } else {
-            0
-        };
-        tk * self.attn_bytes_per_key(be) + block
+            tk * self.attn_bytes_per_key(be)
+        }
     }
 }
 
@@ -663,14 +671,15 @@ fn size(g: &Geometry, be: &BackendShape, reqs: &[PlanRequest], lim: Limits, k: &
     let win_rows = win.min(total);
     let attn = if g.mla_layers > 0 {
         let q = c_rows * g.mla_heads * ((g.mla_nope + g.mla_rope) * be.operand_bytes + g.mla_v * 4);
-        g.attn_bytes(be, ctx_max) + q
+        g.attn_bytes(be, c_rows, ctx_max) + q
     } else {
         0
     };
     let experts = if g.moe_layers > 0 {
         let scratch = if be.cuda && be.operand_bytes == 2 { (1usize << 30) + 4 * 8192 * g.moe_inter * 10 } else { 0 };
         let cpu_dequant = if be.cuda { 0 } else { 3 * g.moe_inter * g.latent * 4 };
-        win_rows * g.top_k * g.expert_row_bytes(be.operand_bytes) + scratch + cpu_dequant
+        let dense = be.dense_experts_from.is_some_and(|m| win_rows * g.top_k >= m * g.experts);
+        win_rows * g.top_k * g.expert_row_bytes(be.operand_bytes, !dense) + scratch + cpu_dequant
     } else {
         0
     };
@@ -678,7 +687,7 @@ fn size(g: &Geometry, be: &BackendShape, reqs: &[PlanRequest], lim: Limits, k: &
         dev.push(("expert window: chunk middles and latent rows", u(win_rows * g.window_values_per_token() * 4)));
     }
     if attn >= experts {
-        dev.push(("MLA attention workspace (expanded K/V of the context)", u(attn)));
+        dev.push(("MLA attention workspace (expanded K/V of a key block)", u(attn)));
     } else {
         dev.push(("routed experts of one window (grouped rows, scratch)", u(experts)));
     }
@@ -831,13 +840,13 @@ mod tests {
     #[test]
     fn k3_plans_on_24_32_80_141_gb_cards() {
         let g = k3();
-        let be = BackendShape::cuda(true, 24 << 30);
+        let be = BackendShape::cuda(true, 24 << 30, 128);
         let k = Knobs::default();
         let mut table = Vec::new();
         for (c, host) in
             [(24, 64), (24, 128), (24, 192), (32, 64), (32, 128), (32, 192), (80, 64), (80, 128), (80, 192), (141, 64), (141, 125), (141, 128), (141, 192)]
         {
-            let be = if c >= 64 { BackendShape::cuda(true, c << 30) } else { be };
+            let be = if c >= 64 { BackendShape::cuda(true, c << 30, 128) } else { be };
             let lim = card(c, host);
             let n = longest_prompt(&g, &be, lim, &k);
             let p = plan(&g, &be, &[PlanRequest { base: 0, new: n }], lim, &k).unwrap();
@@ -867,14 +876,14 @@ mod tests {
     #[test]
     fn plans_fit_their_limits_and_choose_less_traffic_first() {
         let g = k3();
-        let be = BackendShape::cuda(true, 24 << 30);
+        let be = BackendShape::cuda(true, 24 << 30, 128);
         let k = Knobs::default();
         let lim = card(32, 128);
         let p = plan(&g, &be, &[PlanRequest { base: 0, new: 8192 }], lim, &k).unwrap();
         assert!(p.peak_device <= lim.device);
         assert!(!p.whole_layers, "two whole K3 layers (~33 GB) do not fit a 32 GB card");
         // an H200 holds two whole layers at 8k: the experts cross once
-        let be141 = BackendShape::cuda(true, 141 << 30);
+        let be141 = BackendShape::cuda(true, 141 << 30, 128);
         let p = plan(&g, &be141, &[PlanRequest { base: 0, new: 8192 }], card(141, 125), &k).unwrap();
         assert!(p.whole_layers && p.windows == 1 && p.bank == Placement::Device, "{}", p.line());
         assert_eq!(p.weight_traffic, (g.dense_total + g.experts_total) as u64);
@@ -883,7 +892,7 @@ mod tests {
     #[test]
     fn an_explicit_chunk_is_kept_or_refused() {
         let g = k3();
-        let be = BackendShape::cuda(true, 24 << 30);
+        let be = BackendShape::cuda(true, 24 << 30, 128);
         let k = Knobs { chunk_tokens: Some(1000), ..Default::default() };
         let p = plan(&g, &be, &[PlanRequest { base: 0, new: 5000 }], card(32, 128), &k).unwrap();
         assert_eq!(p.chunk_tokens, 1000);

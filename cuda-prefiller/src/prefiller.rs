@@ -183,7 +183,7 @@ impl<B: Backend + 'static> Prefiller<B> {
                 }
                 let (free, _) = g.mem_info()?;
                 let emulated_total = opts.memory.emulate_gpu_memory.map(|e| (e * 1e9) as u64).unwrap_or(g.mem_info()?.1 as u64);
-                let shape = BackendShape::cuda(c.precision == crate::cuda::Precision::Bf16, emulated_total);
+                let shape = BackendShape::cuda(c.precision == crate::cuda::Precision::Bf16, emulated_total, c.moe_dense.min_rows);
                 let limit = match opts.memory.vram_budget {
                     Some(b) => {
                         let b = gb_to_bytes("--vram-budget", b)?;

@@ -63,7 +63,7 @@ pub fn prefill_fit(cfg: &K3Config, gpu_gb: f64, host_gb: f64) -> anyhow::Result<
     let c = &cfg.text_config;
     let g = Geometry::of(c, &c.layer_plan())?;
     let total = (gpu_gb * 1e9) as u64;
-    let be = BackendShape::cuda(true, total);
+    let be = BackendShape::cuda(true, total, crate::cuda::moe_dense::DENSE_MIN_ROWS);
     let lim = Limits { device: total.saturating_sub(CUDA_CONTEXT + DEFAULT_MARGIN), host: ((host_gb * 1e9) as u64).saturating_sub(HOST_MARGIN) };
     let k = Knobs::default();
     let n = longest_prompt(&g, &be, lim, &k);

@@ -1062,19 +1062,19 @@ impl Backend for CudaBackend {
         let (dqk, dv) = (dims.qk(), dims.v);
         let (dn, dr) = (dims.nope, dims.rope);
         if self.parts.attn && k::mla_bf16_supported(dqk, dv) {
-            // The keys are expanded (kv_b) and packed to BF16 block by block: the f32 expansion
-            // exists for one block of keys at a time, not for the whole context.
-            let packed = k::mla_pack_queries(&self.gpu, self.mla_kernel, q.ptr(), q.cols, tq, pos0, h, dn, dr, dv)?;
-            let block = self.mla_key_block.max(128) / 128 * 128;
+            // A block of keys at a time: expanded (kv_b), packed to BF16 and attended, the rows'
+            // running sums carried to the next block; neither the f32 expansion nor the packed
+            // K/V ever exists for the whole context.
+            let block = self.mla_key_block.max(k::MLA_BLOCK_ALIGN) / k::MLA_BLOCK_ALIGN * k::MLA_BLOCK_ALIGN;
+            let mut packed = k::mla_pack_queries(&self.gpu, self.mla_kernel, q.ptr(), q.cols, tq, pos0, h, dn, dr, dv, block)?;
             let kv = self.empty(block.min(tk), kvw)?;
             let row = (cache.cols * 4) as u64;
             for k0 in (0..tk).step_by(block) {
                 let n = block.min(tk - k0);
                 self.gemm_raw(cache.ptr() + k0 as u64 * row, cache.cols, n, kv_b, kv.ptr(), kvw)?;
-                k::mla_pack_keys(&self.gpu, &packed, kv.ptr(), kvw, kpe + k0 as u64 * row, cache.cols, k0, n)?;
+                k::mla_pack_keys(&self.gpu, &mut packed, kv.ptr(), kvw, kpe + k0 as u64 * row, cache.cols, k0, n)?;
+                k::mla_attn_packed(&self.gpu, &packed, out.ptr(), h * dv, dims.scale())?;
             }
-            drop(kv);
-            k::mla_attn_packed(&self.gpu, &packed, out.ptr(), h * dv, dims.scale())?;
         } else {
             let kv = self.empty(tk, kvw)?;
             self.gemm_raw(cache.ptr(), cache.cols, tk, kv_b, kv.ptr(), kvw)?;

@@ -462,10 +462,48 @@ pub fn mla_pack_kv(
     gpu.launch(f, (rows as u32, h as u32, 1), (128, 1, 1), 0, &mut a, "mla_pack_kv")
 }
 
-pub fn mla_attn_bf16(gpu: &Gpu, qb: P, kb: P, vb: P, out: P, os: usize, tq: usize, pos0: usize, h: usize, dqk: usize, dv: usize, scale: f32) -> Result<()> {
+/// The keys one attention call sees: `kbase .. kbase + nk` of the context, `kld` per head in the
+/// K/V operands, the carried running sums at `st` (0 when the call sees every key).
+#[derive(Debug, Clone, Copy)]
+pub struct MlaBlock {
+    pub kbase: usize,
+    pub nk: usize,
+    pub kld: usize,
+    pub st: P,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attn_bf16(
+    gpu: &Gpu,
+    qb: P,
+    kb: P,
+    vb: P,
+    out: P,
+    os: usize,
+    tq: usize,
+    pos0: usize,
+    h: usize,
+    dqk: usize,
+    dv: usize,
+    b: MlaBlock,
+    scale: f32,
+) -> Result<()> {
     let f = gpu.func("mla_attn", &mla_defines(dqk, dv), "mla_attn_bf16")?;
     let smem = (2 * 64 * ((dqk + 8) + (dv + 8)) * 2) as u32;
-    let mut a = KArgs::new().arg(qb).arg(kb).arg(vb).arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(scale);
+    let mut a = KArgs::new()
+        .arg(qb)
+        .arg(kb)
+        .arg(vb)
+        .arg(out)
+        .arg(os as i64)
+        .arg(tq as i32)
+        .arg(pos0 as i32)
+        .arg(h as i32)
+        .arg(b.kbase as i32)
+        .arg(b.nk as i32)
+        .arg(b.kld as i32)
+        .arg(b.st)
+        .arg(scale);
     gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_bf16")
 }
 
@@ -599,24 +637,43 @@ pub fn mla_attn_sm90(
     h: usize,
     dqk: usize,
     dv: usize,
+    b: MlaBlock,
     scale: f32,
 ) -> Result<()> {
-    if !mla_sm90_supported(gpu, dqk, dv) || var.smem(dqk, dv) > gpu.smem_optin.max(0) as usize || !vt_ld.is_multiple_of(128) || vt_ld < pos0 + tq {
-        bail!("mla_attn_sm90: not applicable (device sm_{}{}, qk {dqk}, v {dv}, V^T stride {vt_ld} for {} keys)", gpu.cc.0, gpu.cc.1, pos0 + tq);
+    if !mla_sm90_supported(gpu, dqk, dv) || var.smem(dqk, dv) > gpu.smem_optin.max(0) as usize || !vt_ld.is_multiple_of(128) || vt_ld < b.nk {
+        bail!("mla_attn_sm90: not applicable (device sm_{}{}, qk {dqk}, v {dv}, V^T stride {vt_ld} for {} keys)", gpu.cc.0, gpu.cc.1, b.nk);
     }
     let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), var.name)?;
     let smem = var.smem(dqk, dv) as u32;
-    let mut a = KArgs::new().arg(qb).arg(kb).arg(vt).arg(vt_ld as i64).arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(scale);
+    let mut a = KArgs::new()
+        .arg(qb)
+        .arg(kb)
+        .arg(vt)
+        .arg(vt_ld as i64)
+        .arg(out)
+        .arg(os as i64)
+        .arg(tq as i32)
+        .arg(pos0 as i32)
+        .arg(h as i32)
+        .arg(b.kbase as i32)
+        .arg(b.nk as i32)
+        .arg(b.kld as i32)
+        .arg(b.st)
+        .arg(scale);
     let rows = 64 * var.warpgroups;
     gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), ((128 * var.warpgroups) as u32, 1, 1), smem, &mut a, var.name)
 }
 
-/// Packed bf16 operands of one causal MLA attention call, laid out for the kernel that will run.
+/// Packed bf16 operands of one causal MLA attention call, laid out for the kernel that will run:
+/// the queries, and the keys of every position or of one block of them at a time (the blocks in
+/// order, each attended before the next is packed: the rows' running sums are carried between
+/// them, so the result is bit for bit the one over every key while the K/V operands exist for one
+/// block only).
 pub struct MlaPacked {
     pub kernel: MlaKernel,
     pub qb: DevMem,
     pub kb: DevMem,
-    /// `Vb [h][tk][dv]` for mma.sync, `Vt [h][dv][vt_ld]` for wgmma.
+    /// `Vb [h][kcap][dv]` for mma.sync, `Vt [h][dv][vt_ld]` for wgmma.
     pub v: DevMem,
     pub vt_ld: usize,
     pub tq: usize,
@@ -626,19 +683,31 @@ pub struct MlaPacked {
     /// The no-rope part of `dqk`.
     pub dn: usize,
     pub dv: usize,
+    /// Keys per head the K/V operands hold (every key, or one block).
+    pub kcap: usize,
+    /// The keys packed now: `kbase .. kbase + nk`.
+    pub kbase: usize,
+    pub nk: usize,
+    /// Rows' running sums between key blocks (`[tq][h][8]` f32), when the keys come in blocks.
+    carry: Option<DevMem>,
 }
+
+/// Keys of a block (a multiple of every kernel's key tile, so that the blocks cut the tiles where
+/// one call over every key would).
+pub const MLA_BLOCK_ALIGN: usize = 128;
 
 /// Packs the operands `m` for `kernel` (resolved on `gpu`): the queries and every key.
 pub fn mla_pack(gpu: &Arc<Gpu>, kernel: MlaKernel, m: &MlaOperands) -> Result<MlaPacked> {
     let &MlaOperands { q, qs, kv, kvs, kpe, kps, tq, pos0, h, dn, dr, dv } = m;
-    let p = mla_pack_queries(gpu, kernel, q, qs, tq, pos0, h, dn, dr, dv)?;
-    mla_pack_keys(gpu, &p, kv, kvs, kpe, kps, 0, pos0 + tq)?;
+    let mut p = mla_pack_queries(gpu, kernel, q, qs, tq, pos0, h, dn, dr, dv, pos0 + tq)?;
+    mla_pack_keys(gpu, &mut p, kv, kvs, kpe, kps, 0, pos0 + tq)?;
     Ok(p)
 }
 
-/// Packs the queries for `kernel` (resolved on `gpu`) and allocates the K/V operands of all
-/// `pos0 + tq` keys, to be filled block by block with [`mla_pack_keys`] (so the f32 expansion
-/// of the keys never has to exist for all of them at once).
+/// Packs the queries for `kernel` (resolved on `gpu`) and allocates K/V operands for `kcap` keys
+/// (all `pos0 + tq` of them, or a block: a multiple of [`MLA_BLOCK_ALIGN`]), to be filled with
+/// [`mla_pack_keys`].
+#[allow(clippy::too_many_arguments)]
 pub fn mla_pack_queries(
     gpu: &Arc<Gpu>,
     kernel: MlaKernel,
@@ -650,39 +719,70 @@ pub fn mla_pack_queries(
     dn: usize,
     dr: usize,
     dv: usize,
+    kcap: usize,
 ) -> Result<MlaPacked> {
     let (dqk, tk) = (dn + dr, pos0 + tq);
+    let kcap = kcap.min(tk).max(1);
+    if kcap < tk && !kcap.is_multiple_of(MLA_BLOCK_ALIGN) {
+        bail!("mla_pack_queries: key blocks of {kcap} (a multiple of {MLA_BLOCK_ALIGN} when shorter than the {tk} keys)");
+    }
     let kernel = kernel.resolve(gpu, dqk, dv)?;
     let qb = gpu.alloc(tq * h * dqk * 2)?;
-    let kb = gpu.alloc(tk * h * dqk * 2)?;
+    let kb = gpu.alloc(kcap * h * dqk * 2)?;
     mla_pack_q(gpu, q, qs, qb.ptr, tq, h, dqk, dv)?;
     let (v, vt_ld) = if matches!(kernel, MlaKernel::Wgmma(_)) {
-        let ld = mla_vt_ld(tk);
+        let ld = mla_vt_ld(kcap);
         (gpu.alloc(h * dv * ld * 2)?, ld)
     } else {
-        (gpu.alloc(tk * h * dv * 2)?, 0)
+        (gpu.alloc(kcap * h * dv * 2)?, 0)
     };
-    Ok(MlaPacked { kernel, qb, kb, v, vt_ld, tq, pos0, h, dqk, dn, dv })
+    let carry = if kcap < tk { Some(gpu.alloc(tq * h * 8 * 4)?) } else { None };
+    Ok(MlaPacked { kernel, qb, kb, v, vt_ld, tq, pos0, h, dqk, dn, dv, kcap, kbase: 0, nk: 0, carry })
 }
 
-/// Packs keys `k0 .. k0 + rows` of `p` from their f32 expansion `kv` (`[rows, h·(dn+dv)]`, row
-/// stride `kvs`) and rope parts `kpe` (row stride `kps`), both given at key `k0`. Blocks start at
-/// multiples of 64 keys, and only the last may be partial.
-pub fn mla_pack_keys(gpu: &Gpu, p: &MlaPacked, kv: P, kvs: usize, kpe: P, kps: usize, k0: usize, rows: usize) -> Result<()> {
+/// Packs keys `kbase .. kbase + rows` into `p` (replacing the block packed before) from their
+/// f32 expansion `kv` (`[rows, h·(dn+dv)]`, row stride `kvs`) and rope parts `kpe` (row stride
+/// `kps`), both given at key `kbase`. Blocks start at multiples of [`MLA_BLOCK_ALIGN`] and only
+/// the last may be shorter than that.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_pack_keys(gpu: &Gpu, p: &mut MlaPacked, kv: P, kvs: usize, kpe: P, kps: usize, kbase: usize, rows: usize) -> Result<()> {
     let (tk, dr) = (p.pos0 + p.tq, p.dqk - p.dn);
-    if matches!(p.kernel, MlaKernel::Wgmma(_)) {
-        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, 0, tk, k0, rows, p.h, p.dn, dr, p.dv)?; // K only
-        mla_pack_vt(gpu, kv, kvs, p.v.ptr, p.vt_ld, tk, k0, rows, p.h, p.dn, p.dv)
-    } else {
-        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, p.v.ptr, tk, k0, rows, p.h, p.dn, dr, p.dv)
+    let last = kbase + rows == tk;
+    if rows == 0 || rows > p.kcap || kbase + rows > tk || !kbase.is_multiple_of(MLA_BLOCK_ALIGN) || (!last && !rows.is_multiple_of(MLA_BLOCK_ALIGN)) {
+        bail!(
+            "mla_pack_keys: key block {kbase}..{} of {tk} in operands for {} keys (blocks start at multiples of {MLA_BLOCK_ALIGN}; only the last may be partial)",
+            kbase + rows,
+            p.kcap
+        );
     }
+    if matches!(p.kernel, MlaKernel::Wgmma(_)) {
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, 0, p.kcap, 0, rows, p.h, p.dn, dr, p.dv)?; // K only
+                                                                                                 // zeros past the block's keys up to the row stride
+        mla_pack_vt(gpu, kv, kvs, p.v.ptr, p.vt_ld, rows, 0, rows, p.h, p.dn, p.dv)?;
+    } else {
+        mla_pack_kv(gpu, kv, kvs, kpe, kps, p.kb.ptr, p.v.ptr, p.kcap, 0, rows, p.h, p.dn, dr, p.dv)?;
+    }
+    p.kbase = kbase;
+    p.nk = rows;
+    Ok(())
 }
 
-/// Runs the packed attention into `out` (`[tq][h*dv]` f32, row stride `os`).
+/// Attends the queries of `p` to its packed keys, into `out` (`[tq][h*dv]` f32, row stride `os`):
+/// rows whose last key is in this block get their output, the others keep running sums for the
+/// next block's call (their `out` rows hold them until then).
 pub fn mla_attn_packed(gpu: &Gpu, p: &MlaPacked, out: P, os: usize, scale: f32) -> Result<()> {
+    if p.nk == 0 {
+        bail!("mla_attn_packed: no keys packed");
+    }
+    let st = match (&p.carry, p.kbase == 0 && p.nk == p.pos0 + p.tq) {
+        (_, true) => 0,
+        (Some(c), false) => c.ptr,
+        (None, false) => bail!("mla_attn_packed: keys {}..{} of {} without a carry buffer", p.kbase, p.kbase + p.nk, p.pos0 + p.tq),
+    };
+    let b = MlaBlock { kbase: p.kbase, nk: p.nk, kld: p.kcap, st };
     match p.kernel {
-        MlaKernel::Wgmma(var) => mla_attn_sm90(gpu, var, p.qb.ptr, p.kb.ptr, p.v.ptr, p.vt_ld, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
-        _ => mla_attn_bf16(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, scale),
+        MlaKernel::Wgmma(var) => mla_attn_sm90(gpu, var, p.qb.ptr, p.kb.ptr, p.v.ptr, p.vt_ld, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, b, scale),
+        _ => mla_attn_bf16(gpu, p.qb.ptr, p.kb.ptr, p.v.ptr, out, os, p.tq, p.pos0, p.h, p.dqk, p.dv, b, scale),
     }
 }
 
