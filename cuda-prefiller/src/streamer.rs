@@ -278,6 +278,52 @@ pub fn read_rate(gpu: &Arc<Gpu>, source: &dyn WeightSource, ck: &Checkpoint, rea
     Ok((jobs.len() * piece) as f64 / 1e9 / t0.elapsed().as_secs_f64())
 }
 
+/// Pinned host → device copy rate on the copy stream, GB/s: 1 GiB copied six times, the median
+/// of the last five (the first pays the mapping).
+pub fn pinned_h2d_gbs(gpu: &Arc<Gpu>) -> Result<f64> {
+    let n = 1usize << 30;
+    let host = gpu.pinned(n)?;
+    let dev = gpu.alloc_sync(n)?;
+    let mut v = Vec::new();
+    for i in 0..6 {
+        let (e0, e1) = (gpu.event()?, gpu.event()?);
+        e0.record(gpu.copy_stream())?;
+        host.copy_to_device(0, n, dev.ptr, gpu.copy_stream())?;
+        e1.record(gpu.copy_stream())?;
+        e1.sync()?;
+        if i > 0 {
+            v.push(n as f64 / 1e9 / (e0.ms_to(&e1)? as f64 / 1e3));
+        }
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[v.len() / 2])
+}
+
+/// What a streamed checkpoint's source can feed the GPU, measured: the pinned H2D rate and the
+/// source's own read rate into page-locked memory ([`read_rate`]; `NaN` for weights already
+/// page-locked, which are not read).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FeedRates {
+    pub pinned_h2d_gbs: f64,
+    pub source_read_gbs: f64,
+}
+
+impl FeedRates {
+    /// GB/s the weights reach the GPU at: the slower of the read and the copy.
+    pub fn limit_gbs(&self) -> f64 {
+        if self.source_read_gbs.is_nan() {
+            self.pinned_h2d_gbs
+        } else {
+            self.source_read_gbs.min(self.pinned_h2d_gbs)
+        }
+    }
+
+    /// Seconds `bytes` of weights take to reach the GPU at [`Self::limit_gbs`].
+    pub fn seconds(&self, bytes: u64) -> f64 {
+        bytes as f64 / 1e9 / self.limit_gbs()
+    }
+}
+
 /// Largest single host-to-device copy the streamer issues. On the H200 neither this nor
 /// [`WeightStreamer::set_copy_window`] (pieces in flight) let the compute stream's own uploads
 /// overtake a queued layer on the copy engine (docs/cuda.md, session 4); since session 5 those
@@ -560,6 +606,8 @@ pub struct StreamedWeights {
     source: Arc<dyn WeightSource>,
     /// Where `source` reads from.
     pub weights_from: WeightsFrom,
+    /// Reader threads filling the staging (the streamer's queue depth).
+    readers: usize,
     /// The output head, loaded once (not per prompt).
     head: Arc<crate::model::HeadWeights<crate::cuda::CudaBackend>>,
     /// The BF16 embedding table on the device (`[vocab, hidden]`), loaded once: each prompt's
@@ -631,6 +679,7 @@ impl StreamedWeights {
             plan: Arc::new(plan),
             source,
             weights_from: opts.weights_from,
+            readers: opts.readers,
             head,
             embed_table,
             slot_ptr,
@@ -641,6 +690,19 @@ impl StreamedWeights {
 
     pub fn plan(&self) -> &crate::stream_plan::StreamPlan {
         &self.plan
+    }
+
+    /// Measures what this checkpoint's source feeds the GPU ([`FeedRates`]): the pinned H2D
+    /// rate, and the source read at the streamer's reader count over at most `probe_bytes` of
+    /// `ck`'s shards (not for page-locked weights). A node predicts its weight pass from it
+    /// before it has served anything; `bench` puts it in the roofline.
+    pub fn measure_feed(&self, ck: &Checkpoint, probe_bytes: usize) -> Result<FeedRates> {
+        let pinned_h2d_gbs = pinned_h2d_gbs(&self.gpu)?;
+        let source_read_gbs = match self.weights_from {
+            WeightsFrom::PinHost => f64::NAN,
+            _ => read_rate(&self.gpu, &*self.source, ck, self.readers, probe_bytes)?,
+        };
+        Ok(FeedRates { pinned_h2d_gbs, source_read_gbs })
     }
 
     /// Moves every unit of a prompt with no compute in between (each slot is released as soon

@@ -164,26 +164,18 @@ impl Rates {
     }
 }
 
-fn measure_rates(b: &CudaBackend, ck: &k3_protocol::Checkpoint, sw: Option<&crate::streamer::StreamedWeights>, readers: usize, probe_gb: f64) -> Result<Rates> {
+fn measure_rates(b: &CudaBackend, ck: &k3_protocol::Checkpoint, sw: Option<&crate::streamer::StreamedWeights>, probe_gb: f64) -> Result<Rates> {
     let g = &b.gpu;
     let mut r = Rates::default();
-    // pinned H2D
-    let n = 1usize << 30;
-    let host = g.pinned(n)?;
-    let dev = g.alloc_sync(n)?;
-    let mut v = Vec::new();
-    for i in 0..6 {
-        let (e0, e1) = (g.event()?, g.event()?);
-        e0.record(g.copy_stream())?;
-        host.copy_to_device(0, n, dev.ptr, g.copy_stream())?;
-        e1.record(g.copy_stream())?;
-        e1.sync()?;
-        if i > 0 {
-            v.push(n as f64 / 1e9 / (e0.ms_to(&e1)? as f64 / 1e3));
-        }
-    }
-    r.pinned_h2d_gbs = median(&mut v);
-    drop((host, dev));
+    // the source: pinned H2D, and the read rate where the streamer reads shards
+    let feed = match sw {
+        Some(sw) => sw.measure_feed(ck, (probe_gb * 1e9) as usize)?,
+        None => crate::streamer::FeedRates { pinned_h2d_gbs: crate::streamer::pinned_h2d_gbs(g)?, source_read_gbs: f64::NAN },
+    };
+    r.pinned_h2d_gbs = feed.pinned_h2d_gbs;
+    r.source_read_gbs = feed.source_read_gbs;
+    r.source_limit_gbs = feed.limit_gbs();
+    r.weights_from = sw.map(|s| s.weights_from).unwrap_or_default().name().into();
     // BF16 GEMM
     let m = 16384usize;
     let (xb, wb, y) = (g.alloc_sync(m * m * 2)?, g.alloc_sync(m * m * 2)?, g.alloc_sync(m * m * 4)?);
@@ -203,21 +195,6 @@ fn measure_rates(b: &CudaBackend, ck: &k3_protocol::Checkpoint, sw: Option<&crat
         }
     }
     r.bf16_gemm_tflops = median(&mut v);
-    drop((xb, wb, y));
-    // the source
-    let from = sw.map(|s| s.weights_from).unwrap_or_default();
-    r.weights_from = from.name().into();
-    r.source_read_gbs = f64::NAN;
-    r.source_limit_gbs = r.pinned_h2d_gbs;
-    if sw.is_some() && from != crate::streamer::WeightsFrom::PinHost {
-        let max = (probe_gb * 1e9) as usize;
-        let gbs = match from {
-            crate::streamer::WeightsFrom::Direct => crate::streamer::read_rate(g, &crate::streamer::DirectShards::open(ck)?, ck, readers, max)?,
-            _ => crate::streamer::read_rate(g, &crate::streamer::ShardFiles::open(ck)?, ck, readers, max)?,
-        };
-        r.source_read_gbs = gbs;
-        r.source_limit_gbs = gbs.min(r.pinned_h2d_gbs);
-    }
     Ok(r)
 }
 
@@ -333,7 +310,7 @@ fn model_bench<B: Backend + 'static>(b: Arc<B>, ck: Arc<k3_protocol::Checkpoint>
     let cuda = crate::cuda::cuda_model(model).map(|m| &*m.backend);
     let rates = match cuda {
         Some(c) => {
-            let mut r = measure_rates(c, &ck, sw, sopts.readers, args.source_probe_gb)?;
+            let mut r = measure_rates(c, &ck, sw, args.source_probe_gb)?;
             r.emulated_source_gbs = pf.source.as_ref().map(|s| s.bytes_per_s() / 1e9);
             Some(r)
         }

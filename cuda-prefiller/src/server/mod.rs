@@ -56,6 +56,9 @@ pub struct PrefillNode {
     stopping: Arc<AtomicBool>,
 }
 
+/// Bytes of the shards a streamed node reads at start-up to predict its weight pass.
+const STARTUP_READ_PROBE_BYTES: usize = 4 << 30;
+
 /// How long a graceful shutdown waits for each part: the accept loop and its connections, the
 /// network runtime's remaining tasks, the compute worker (which abandons its pass within a
 /// token chunk). Together under the 5 s a service manager allows after SIGTERM.
@@ -81,7 +84,27 @@ impl PrefillNode {
             (None, Some(_)) => model.ck.total_bytes(),
             (None, None) => 0,
         };
-        let planned_pass_s = opts.source.as_ref().map_or(0.0, |s| s.pass_seconds());
+        // Until a pass is measured: the emulated source's pacing, or the streamer's source as
+        // measured now (a read of a few GB of the shards and the pinned copy rate).
+        let planned_pass_s = match (&opts.source, &opts.streamed) {
+            (Some(s), _) => s.pass_seconds(),
+            (None, Some(sw)) => match sw.measure_feed(&model.ck, STARTUP_READ_PROBE_BYTES) {
+                Ok(feed) => {
+                    tracing::info!(
+                        read_gbs = format!("{:.2}", feed.source_read_gbs),
+                        pinned_h2d_gbs = format!("{:.2}", feed.pinned_h2d_gbs),
+                        pass_gb = format!("{:.2}", pass_bytes as f64 / 1e9),
+                        "start-up weight feed"
+                    );
+                    feed.seconds(pass_bytes)
+                }
+                Err(e) => {
+                    tracing::warn!("could not measure the weight source at start-up ({e:#}); its pass is advertised as 0 s until a request is measured");
+                    0.0
+                }
+            },
+            (None, None) => 0.0,
+        };
         // Before serving: the compute predicted from the model's FLOPs at the GEMM rate measured
         // here now, advertised until the first request is measured.
         let predicted = predict::measure(&*model.backend, &text_config, opts.chunk_tokens).map(|gemm| {

@@ -1,7 +1,8 @@
 //! What a prefill node predicts for itself before it has served anything: the compute of a
 //! request from the model's FLOPs ([`crate::model::flops`]) at the GEMM rate this backend
 //! measures at start-up on the model's own shapes, and the weight pass from the weight bytes at
-//! the source's rate (the throttled test source, or what the node was told). Advertised as a
+//! the source's rate (the emulated source's pacing, or for streamed weights the read rate and
+//! pinned copy rate measured at start-up: `StreamedWeights::measure_feed`). Advertised as a
 //! [`RateFit`] with `samples == 0` (predicted, not measured) until the first measured request
 //! replaces it ([`super::cost::CostMeter`]).
 
