@@ -247,6 +247,13 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// Seconds this backend has spent so far on one-time set-up inside its ops (CUDA: compiling
+    /// and loading each kernel module the first time it is used); a node leaves them out of
+    /// its measured compute, which predicts later requests.
+    fn one_time_seconds(&self) -> f64 {
+        0.0
+    }
+
     /// Whether an op returns only once its result is computed, so that host times are compute
     /// times (the CPU reference); false for a device that queues the work (CUDA).
     fn synchronous(&self) -> bool {

@@ -705,6 +705,35 @@ impl StreamedWeights {
         Ok(FeedRates { pinned_h2d_gbs, source_read_gbs })
     }
 
+    /// The rate a pass's weights reach the GPU, GB/s, measured the way a pass moves them (the
+    /// readers filling staging while the copy engine drains it into the slots, no compute in
+    /// between): the first units of a pass, at least `probe_bytes` of them (or all), and any
+    /// the prefetch thread had already issued. On a page cache the read and the copy share the
+    /// host's memory bandwidth, so this is below both [`FeedRates`] limits.
+    pub fn feed_gbs(&self, probe_bytes: usize) -> Result<f64> {
+        self.gpu.sync()?;
+        let t0 = Instant::now();
+        let mut feed = self.feed()?;
+        let mut bytes = 0usize;
+        for u in 0..self.plan.units.len() {
+            if bytes >= probe_bytes {
+                break;
+            }
+            let (got, _) = feed.take_unit(|_| true, "feed probe")?;
+            ensure!(got == u, "weight streamer: unit {got} arrived, {u} expected");
+            bytes += self.plan.unit_bytes(u);
+            feed.release(u)?;
+        }
+        feed.stop()?;
+        let seconds = t0.elapsed().as_secs_f64();
+        // units the prefetch thread issued beyond the probe were copied by the time stop returned
+        while let Ok(r) = feed.ready_rx.try_recv() {
+            bytes += r.map(|r| r.stats.bytes).unwrap_or(0);
+        }
+        ensure!(bytes > 0 && seconds > 0.0, "weight streamer: the feed probe moved nothing");
+        Ok(bytes as f64 / 1e9 / seconds)
+    }
+
     /// Moves every unit of a prompt with no compute in between (each slot is released as soon
     /// as its copies are issued): the feed's own time for one prompt's weights, seconds.
     pub fn transfer_alone(&self) -> Result<f64> {

@@ -50,11 +50,14 @@ fn throttled_node_short_turns_stay_local_long_turns_go_remote() {
     let mut opts = remote_options(node.local_addr(), 0);
     opts.min_tokens = None;
     let mut r = RemotePrefiller::with_node_config(&engine, opts, ccfg.clone()).unwrap();
-    // Calibration (first decision) measures the local rate; the node has measured nothing yet,
-    // so a first long turn goes remote by the default threshold and teaches it its costs.
+    // Calibration (first decision) measures the local rate; a first long turn, sent remote by
+    // the manual override (the node's start-up prediction may route it either way: that
+    // decision is the next test's), teaches the node its measured costs.
+    r.set_min_tokens(Some(1));
     let mut conv = Conversation::new(&engine).unwrap();
     let first = r.prefill(&engine, &mut conv, &prompt(1, 1500, vocab), None).unwrap();
     eprintln!("first turn: {:?} {}", first.route, first.reason);
+    assert_eq!(first.route, Route::Remote, "{first:?}");
     let cost = node.cost();
     eprintln!("node advertises {cost:?}");
     assert!(cost.passes >= 1 && cost.pass_s > 0.3, "the throttled pass is measured: {cost:?}");

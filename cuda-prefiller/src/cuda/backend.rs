@@ -751,6 +751,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn one_time_seconds(&self) -> f64 {
+        self.gpu.module_load_seconds()
+    }
+
     fn synchronous(&self) -> bool {
         false
     }

@@ -255,6 +255,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     streams: Streams,
     modules: Mutex<HashMap<String, Module>>,
+    /// Nanoseconds spent compiling (or reading from the disk cache) and loading kernel modules.
+    module_load_ns: std::sync::atomic::AtomicU64,
     pub name: String,
     pub cc: (i32, i32),
     pub sm_count: i32,
@@ -312,6 +314,7 @@ impl Gpu {
             ctx,
             streams: Streams { compute, copy, up, down },
             modules: Mutex::new(HashMap::new()),
+            module_load_ns: std::sync::atomic::AtomicU64::new(0),
             name,
             cc,
             sm_count,
@@ -424,17 +427,24 @@ impl Gpu {
         Ok(())
     }
 
+    /// Seconds this process has spent compiling and loading kernel modules (each once).
+    pub fn module_load_seconds(&self) -> f64 {
+        self.module_load_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9
+    }
+
     /// A kernel function from `kernels/<module>.cu` compiled with `defines` (e.g. `["MLA_DQK=192"]`).
     pub fn func(&self, module: &str, defines: &[String], name: &str) -> Result<Func> {
         let key = format!("{module}|{}", defines.join(","));
         let mut mods = self.modules.lock().map_err(|_| anyhow!("kernel module table poisoned"))?;
         if !mods.contains_key(&key) {
+            let t0 = std::time::Instant::now();
             self.bind()?;
             let image = nvrtc::compile_cached(module, defines, &self.arch())?;
             let mut m = std::ptr::null_mut();
             // SAFETY: image is a CUBIN produced by NVRTC for this device's architecture.
             unsafe { ck(sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void), &format!("loading kernels/{module}.cu"))? };
             mods.insert(key.clone(), Module { _m: m, funcs: HashMap::new() });
+            self.module_load_ns.fetch_add(t0.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         }
         let module_entry = mods.get_mut(&key).expect("inserted above");
         if let Some(f) = module_entry.funcs.get(name) {

@@ -56,8 +56,8 @@ pub struct PrefillNode {
     stopping: Arc<AtomicBool>,
 }
 
-/// Bytes of the shards a streamed node reads at start-up to predict its weight pass.
-const STARTUP_READ_PROBE_BYTES: usize = 4 << 30;
+/// Weight bytes a streamed node moves to the GPU at start-up to predict its weight pass.
+const STARTUP_FEED_PROBE_BYTES: usize = 4 << 30;
 
 /// How long a graceful shutdown waits for each part: the accept loop and its connections, the
 /// network runtime's remaining tasks, the compute worker (which abandons its pass within a
@@ -84,27 +84,22 @@ impl PrefillNode {
             (None, Some(_)) => model.ck.total_bytes(),
             (None, None) => 0,
         };
-        // Until a pass is measured: the emulated source's pacing, or the streamer's source as
-        // measured now (a read of a few GB of the shards and the pinned copy rate).
-        let planned_pass_s = match (&opts.source, &opts.streamed) {
-            (Some(s), _) => s.pass_seconds(),
-            (None, Some(sw)) => match sw.measure_feed(&model.ck, STARTUP_READ_PROBE_BYTES) {
-                Ok(feed) => {
-                    tracing::info!(
-                        read_gbs = format!("{:.2}", feed.source_read_gbs),
-                        pinned_h2d_gbs = format!("{:.2}", feed.pinned_h2d_gbs),
-                        pass_gb = format!("{:.2}", pass_bytes as f64 / 1e9),
-                        "start-up weight feed"
-                    );
-                    feed.seconds(pass_bytes)
+        // Until a pass is measured: the emulated source's pacing, or the streamer's feed as
+        // measured now (the first few GB of a pass moved to the GPU).
+        let feed_s = match &opts.streamed {
+            Some(sw) => match sw.feed_gbs(STARTUP_FEED_PROBE_BYTES) {
+                Ok(gbs) => {
+                    tracing::info!(feed_gbs = format!("{gbs:.2}"), pass_gb = format!("{:.2}", pass_bytes as f64 / 1e9), "start-up weight feed");
+                    model.ck.total_bytes() as f64 / 1e9 / gbs
                 }
                 Err(e) => {
-                    tracing::warn!("could not measure the weight source at start-up ({e:#}); its pass is advertised as 0 s until a request is measured");
+                    tracing::warn!("could not measure the weight feed at start-up ({e:#}); its pass is advertised from the emulated source or as 0 s until a request is measured");
                     0.0
                 }
             },
-            (None, None) => 0.0,
+            None => 0.0,
         };
+        let planned_pass_s = opts.source.as_ref().map_or(feed_s, |s| s.pass_seconds().max(feed_s));
         // Before serving: the compute predicted from the model's FLOPs at the GEMM rate measured
         // here now, advertised until the first request is measured.
         let predicted = predict::measure(&*model.backend, &text_config, opts.chunk_tokens).map(|gemm| {
@@ -138,6 +133,32 @@ impl PrefillNode {
         let addr = server.local_addr();
         let metrics = Arc::new(ServerMetrics::default());
         let stopping = Arc::new(AtomicBool::new(false));
+        // The weights against the digest their fingerprint was made from, every layer once per
+        // process before a state computed from it leaves: started now, beside serving, so that
+        // the first request does not wait for the hashing of every layer (a request reaching a
+        // layer not checked yet checks it itself).
+        {
+            let (ck, stop) = (model.ck.clone(), stopping.clone());
+            let layers = text_config.num_hidden_layers;
+            std::thread::Builder::new()
+                .name("weight-check".into())
+                .spawn(move || {
+                    let t0 = std::time::Instant::now();
+                    if let Err(e) = ck.verify_outside_layers() {
+                        tracing::warn!("weight check: {e}");
+                    }
+                    for l in 0..layers {
+                        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            return;
+                        }
+                        if let Err(e) = ck.verify_layer(l) {
+                            tracing::warn!("weight check: {e}");
+                        }
+                    }
+                    tracing::info!(layers, seconds = format!("{:.2}", t0.elapsed().as_secs_f64()), "weights checked against their digest");
+                })
+                .context("starting the weight check")?;
+        }
         let (jobs, worker) = worker::spawn(
             model,
             worker::WorkerOptions {

@@ -27,29 +27,56 @@ pub struct StartupRates {
 }
 
 /// Times the backend's GEMM on the model's width (a few repeats after a warm-up, the median);
-/// `None` when the backend refuses the shapes.
+/// `None` when the backend refuses the shapes. Rows: the chunk (64 to 4,096). Each sample queues
+/// products (enough to take ~10x a download, at most [`MAX_GEMMS_PER_SAMPLE`]) and downloads
+/// the last; the download's own time, measured apart, is taken out (on a GPU one download of
+/// the product takes many times the product itself).
 pub fn measure<B: Backend>(b: &B, c: &TextConfig, chunk: usize) -> Option<StartupRates> {
     let t0 = Instant::now();
-    let (m, k) = (chunk.clamp(64, 512), c.hidden_size);
+    let (m, k) = (chunk.clamp(64, 4096), c.hidden_size);
     let n = 4 * k;
     let x: Vec<f32> = (0..m * k).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
     let w: Vec<f32> = (0..n * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-3).collect();
     let xb = b.upload(&x, m, k).ok()?;
     let wb = b.load_dense(&HostTensor::from_f32("startup.gemm", n, k, &w)).ok()?;
     let flops = 2.0 * (m * n * k) as f64;
+    let y = b.gemm(&xb, &wb).ok()?;
+    b.download(&y).ok()?;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let mut dl = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        b.download(&y).ok()?;
+        dl.push(t.elapsed().as_secs_f64());
+    }
+    let download_s = median(dl);
+    // products per sample: enough that they take ~10x the download (1 on the CPU, up to 64)
+    let t = Instant::now();
+    let y = b.gemm(&xb, &wb).ok()?;
+    b.download(&y).ok()?;
+    let one = (t.elapsed().as_secs_f64() - download_s).max(1e-6);
+    let reps = ((10.0 * download_s / one).ceil() as usize).clamp(1, MAX_GEMMS_PER_SAMPLE);
     let mut times = Vec::new();
-    // At least 5 runs and 50 ms of them (small models: one GEMM takes microseconds).
+    // At least 5 samples and 50 ms of them (small models: one GEMM takes microseconds).
     while times.len() < 6 || (times.iter().sum::<f64>() < 0.05 && times.len() < 200) {
         let t = Instant::now();
-        let y = b.gemm(&xb, &wb).ok()?;
+        let mut y = b.gemm(&xb, &wb).ok()?;
+        for _ in 1..reps {
+            y = b.gemm(&xb, &wb).ok()?;
+        }
         let _ = b.download(&y).ok()?;
-        times.push(t.elapsed().as_secs_f64());
+        times.push((t.elapsed().as_secs_f64() - download_s).max(1e-9) / reps as f64);
     }
     times.remove(0);
-    times.sort_by(|a, b| a.total_cmp(b));
-    let med = times[times.len() / 2];
+    let med = median(times);
     (med > 0.0).then(|| StartupRates { gemm_flops_per_s: flops / med, seconds: t0.elapsed().as_secs_f64(), fixed_s: 0.0 })
 }
+
+/// At most this many GEMMs are queued per timed sample of [`measure`].
+const MAX_GEMMS_PER_SAMPLE: usize = 64;
 
 /// The compute fit predicted from the model's FLOPs at `rates` (fitted through the FLOPs of a
 /// spread of request sizes and contexts, so the attention's growth with the context is in it),

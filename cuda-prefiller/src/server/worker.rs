@@ -262,6 +262,11 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
     }
     let t0 = Instant::now();
     let mut waited = Duration::ZERO;
+    // One-time costs inside the pass, left out of its measured compute (which predicts later
+    // requests): the weight digest checks (each layer once per process) and the backend's
+    // kernel loading.
+    let one_time0 = model.backend.one_time_seconds();
+    let mut checked = Duration::ZERO;
     let pace = opts.source.as_ref().map(crate::source_pace::SourceRate::start);
     let source_wait = || pace.as_ref().map_or(Duration::ZERO, |p| p.waited());
     let mut paced: Option<usize> = None;
@@ -274,14 +279,18 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
         catch_unwind(AssertUnwindSafe(|| {
             // The embedding, norm and output head against the digest (once per process), as
             // each layer is below: a state leaves only computed from checked weights.
+            let v0 = Instant::now();
             model.ck.verify_outside_layers()?;
+            checked += v0.elapsed();
             crate::streamer::prefill_many_maybe_streamed(model, opts.streamed.as_deref(), pace.as_ref(), &mut reqs, &exec, |i, ev| {
                 if cancels[i].load(Ordering::Relaxed) {
                     anyhow::bail!("the transfer was cancelled");
                 }
                 // The layer's weight bytes against the digest its fingerprint was made from (once
                 // per layer per process): a shard damaged since is refused before its state leaves.
+                let v0 = Instant::now();
                 model.ck.verify_layer(ev.layer)?;
+                checked += v0.elapsed();
                 // Once per layer of the pass, whatever the number of requests in it.
                 if paced != Some(ev.layer) {
                     paced = Some(ev.layer);
@@ -290,7 +299,7 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
                         std::thread::sleep(opts.layer_delay);
                     }
                 }
-                let compute_s = (t0.elapsed() - waited - source_wait()).as_secs_f64();
+                let compute_s = (t0.elapsed() - waited - source_wait() - checked).as_secs_f64() - (model.backend.one_time_seconds() - one_time0);
                 let w0 = Instant::now();
                 let sent = match &senders[i] {
                     Some(tx) => tx.blocking_send(LayerDone { layer: ev.layer, state: ev.state.clone(), compute_s }).is_ok(),
@@ -306,14 +315,26 @@ fn run_pass<B: Backend + 'static>(model: &Model<B>, opts: &WorkerOptions, jobs: 
         }))
     };
     drop(senders);
-    let compute_s = (t0.elapsed() - waited - source_wait()).as_secs_f64();
-    let network_wait_s = waited.as_secs_f64();
-    // The time the weight source was busy reading the pass's weights: the emulated source's
-    // reads at its rate; the streamer's readers filling staging (or the copy stream, if longer).
+    let one_time_s = checked.as_secs_f64() + (model.backend.one_time_seconds() - one_time0);
+    if one_time_s > 0.05 {
+        tracing::info!(seconds = format!("{one_time_s:.3}"), "one-time costs in this pass (weight digest checks, kernel loading), not counted as compute");
+    }
     let weights = match &res {
         Ok(Ok((_, st))) => st.clone(),
         _ => None,
     };
+    let wall_compute_s = ((t0.elapsed() - waited - source_wait()).as_secs_f64() - one_time_s).max(0.0);
+    // Streamed weights: the pass's time blocked on weight copies (the GPU waiting for a slot, the
+    // executor waiting for the readers) is the weight pass's, not compute. Left in, a
+    // weight-bound pass teaches the fit that compute takes the whole pass, and a longer prompt
+    // is then predicted several times too slow. Never below the GPU's own busy time.
+    let compute_s = match &weights {
+        Some(w) => (wall_compute_s - w.wait_s - w.host_wait_s).max(w.compute_s).min(wall_compute_s),
+        None => wall_compute_s,
+    };
+    let network_wait_s = waited.as_secs_f64();
+    // The time the weight source was busy reading the pass's weights: the emulated source's
+    // reads at its rate; the streamer's readers filling staging (or the copy stream, if longer).
     let source = match (&pace, &weights) {
         (Some(p), _) if p.bytes() > 0 => Some(crate::server::cost::SourceRead { bytes: p.bytes(), seconds: p.read_seconds() }),
         (_, Some(w)) => Some(crate::server::cost::SourceRead { bytes: w.bytes as u64, seconds: w.fill_s.max(w.copy_s) }),
