@@ -22,7 +22,7 @@ use crate::model::Model;
 
 /// One finished layer.
 #[derive(Debug)]
-pub struct LayerDone {
+pub(super) struct LayerDone {
     pub layer: usize,
     pub state: LayerState,
     /// Compute time of the job's pass so far (network and weight-source waits excluded).
@@ -31,7 +31,7 @@ pub struct LayerDone {
 
 /// What the worker hands back: the state (advanced on success, untouched on a clean failure)
 /// and the outcome.
-pub struct JobDone {
+pub(super) struct JobDone {
     /// None when the executor panicked: the state may be half-updated and is dropped.
     pub state: Option<HandoffState>,
     pub result: anyhow::Result<Vec<f32>>,
@@ -73,7 +73,7 @@ impl JobDone {
 }
 
 /// One request's prefill, queued for the compute worker.
-pub struct PrefillJob {
+pub(super) struct PrefillJob {
     pub request: u64,
     pub tokens: Vec<u32>,
     pub overrides: Option<EmbeddingOverrides>,
@@ -90,7 +90,7 @@ pub struct PrefillJob {
 
 /// Settings of the worker.
 #[derive(Debug, Clone)]
-pub struct WorkerOptions {
+pub(super) struct WorkerOptions {
     pub chunk_tokens: usize,
     /// Plans every pass (chunk, expert windows, bank) and refuses what cannot fit
     /// ([`crate::server::ServeOptions::planner`]).
@@ -119,7 +119,7 @@ pub struct WorkerOptions {
 
 /// Starts the worker thread; it ends when every job sender is dropped and the queue is empty, or
 /// once [`WorkerOptions::stop`] is set (waiting jobs are answered first, without compute).
-pub fn spawn<B: Backend + 'static>(
+pub(super) fn spawn<B: Backend + 'static>(
     model: Arc<Model<B>>,
     opts: WorkerOptions,
 ) -> std::io::Result<(std::sync::mpsc::Sender<PrefillJob>, std::thread::JoinHandle<()>)> {

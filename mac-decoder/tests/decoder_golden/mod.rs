@@ -7,13 +7,13 @@ use std::path::PathBuf;
 use k3_protocol::testdata::golden_dir;
 
 /// Every tensor of `tests/golden/<set>/golden.safetensors`, as f32 (int64 converted) with shape.
-pub struct Golden {
+pub(crate) struct Golden {
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
     pub ints: HashMap<String, Vec<i64>>,
 }
 
 impl Golden {
-    pub fn load(set: &str) -> Golden {
+    pub(crate) fn load(set: &str) -> Golden {
         let path = golden_dir(set).join("golden.safetensors");
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden file parses");
@@ -35,27 +35,27 @@ impl Golden {
         Golden { tensors, ints }
     }
 
-    pub fn f32(&self, name: &str) -> &(Vec<usize>, Vec<f32>) {
+    pub(crate) fn f32(&self, name: &str) -> &(Vec<usize>, Vec<f32>) {
         self.tensors.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing"))
     }
 
-    pub fn ids(&self, name: &str) -> Vec<u32> {
+    pub(crate) fn ids(&self, name: &str) -> Vec<u32> {
         self.ints.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing")).iter().map(|&x| x as u32).collect()
     }
 }
 
-pub fn model_dir(set: &str) -> PathBuf {
+pub(crate) fn model_dir(set: &str) -> PathBuf {
     golden_dir(set)
 }
 
-pub use k3_protocol::testdata::rel_l2;
+pub(crate) use k3_protocol::testdata::rel_l2;
 
 /// Per-row relative L2 errors of two row-major `[rows, width]` matrices.
-pub fn row_errors(a: &[f32], b: &[f32], width: usize) -> Vec<f64> {
+pub(crate) fn row_errors(a: &[f32], b: &[f32], width: usize) -> Vec<f64> {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.chunks(width).zip(b.chunks(width)).map(|(x, y)| rel_l2(x, y)).collect()
 }
 
-pub fn argmax(v: &[f32]) -> u32 {
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     k3_protocol::eval::argmax(v).expect("non-empty row") as u32
 }

@@ -17,7 +17,7 @@ type Responder = Box<dyn Fn(&[u32]) -> Vec<u32> + Send>;
 /// the reply it emits `stop_id`. Without a reply marker in the history (raw completions) the
 /// next token is a hash of the whole history. Logits are one-hot, so greedy and any sampling
 /// agree.
-pub struct FakeEngine {
+pub(crate) struct FakeEngine {
     vocab: usize,
     max_context: usize,
     reply_marker: Vec<u32>,
@@ -34,13 +34,13 @@ pub struct FakeEngine {
 }
 
 /// A [`FakeEngine`] session: the tokens consumed and the next-token logits.
-pub struct FakeSession {
+pub(crate) struct FakeSession {
     pub tokens: Vec<u32>,
     logits: Option<Vec<f32>>,
 }
 
 impl FakeEngine {
-    pub fn new(vocab: usize, max_context: usize, reply_marker: Vec<u32>, stop_id: u32, responder: impl Fn(&[u32]) -> Vec<u32> + Send + 'static) -> Self {
+    pub(crate) fn new(vocab: usize, max_context: usize, reply_marker: Vec<u32>, stop_id: u32, responder: impl Fn(&[u32]) -> Vec<u32> + Send + 'static) -> Self {
         FakeEngine {
             vocab,
             max_context,

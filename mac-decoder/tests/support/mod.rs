@@ -5,12 +5,12 @@
 // Each test binary uses its own part of this module.
 #![allow(dead_code, unused_imports)]
 
-pub mod fake_engine;
+pub(crate) mod fake_engine;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use fake_engine::FakeEngine;
+pub(crate) use fake_engine::FakeEngine;
 use mac_decoder::engine::GenerationEngine;
 use mac_decoder::engine::{EngineHandle, StoreOptions};
 use mac_decoder::metrics::Metrics;
@@ -20,7 +20,7 @@ use mac_decoder::tokenizer::Tokenizer;
 /// The synthetic model's tokenizer for `vocab` ids (release format; `max_len` its model length)
 /// and a `config.json` naming the vocabulary, in a fresh temporary directory (kept alive by the
 /// returned guard).
-pub fn synth_tokenizer(vocab: usize, max_len: usize) -> (tempfile::TempDir, Arc<Tokenizer>) {
+pub(crate) fn synth_tokenizer(vocab: usize, max_len: usize) -> (tempfile::TempDir, Arc<Tokenizer>) {
     let dir = tempfile::tempdir().unwrap();
     k3_protocol::synth::tokenizer::write_tokenizer(dir.path(), vocab, max_len).unwrap();
     std::fs::write(dir.path().join("config.json"), serde_json::json!({"text_config": {"vocab_size": vocab}}).to_string()).unwrap();
@@ -30,7 +30,7 @@ pub fn synth_tokenizer(vocab: usize, max_len: usize) -> (tempfile::TempDir, Arc<
 
 /// A random-weight Tiny model (release layout, its own tokenizer) with `seed` (the preset's
 /// default when `None`), in a fresh temporary directory.
-pub fn tiny_model(seed: Option<u64>) -> tempfile::TempDir {
+pub(crate) fn tiny_model(seed: Option<u64>) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut opts = k3_protocol::synth::SynthOptions::new(k3_protocol::synth::Preset::Tiny);
     opts.progress = false;
@@ -43,7 +43,7 @@ pub fn tiny_model(seed: Option<u64>) -> tempfile::TempDir {
 
 /// The server state over an engine thread running the engine `make` builds (fresh metrics, no
 /// API key; tests set `api_key` / `guard` on the result before serving it).
-pub fn app_state<E, F>(make: F, store: StoreOptions, tok: Arc<Tokenizer>, model_id: &str) -> AppState
+pub(crate) fn app_state<E, F>(make: F, store: StoreOptions, tok: Arc<Tokenizer>, model_id: &str) -> AppState
 where
     E: GenerationEngine,
     F: FnOnce() -> anyhow::Result<E> + Send + 'static,
@@ -56,7 +56,7 @@ where
 /// The server state over the MLX engine on the model in `model` (its own tokenizer, default
 /// engine options and store, model id `tiny`).
 #[cfg(feature = "mlx")]
-pub fn mlx_state(model: &std::path::Path) -> AppState {
+pub(crate) fn mlx_state(model: &std::path::Path) -> AppState {
     use mac_decoder::decode::EngineOptions;
     use mac_decoder::engine::mlx_engine::MlxEngine;
     let tok = Arc::new(Tokenizer::from_dir(model).unwrap());
@@ -66,7 +66,7 @@ pub fn mlx_state(model: &std::path::Path) -> AppState {
 
 /// Serves `state` (every route of [`router`]) on a free loopback port in the background; its
 /// address.
-pub async fn serve(state: AppState) -> SocketAddr {
+pub(crate) async fn serve(state: AppState) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let state = Arc::new(state);
@@ -76,13 +76,13 @@ pub async fn serve(state: AppState) -> SocketAddr {
 
 /// The value of the metric `name` (the whole series name, labels included) in a Prometheus text;
 /// panics naming it when it is missing.
-pub fn metric(text: &str, name: &str) -> f64 {
+pub(crate) fn metric(text: &str, name: &str) -> f64 {
     find_metric(text, name).unwrap_or_else(|| panic!("metric {name} missing in\n{text}"))
 }
 
 /// The value of the metric `name` in a Prometheus text, `None` when the series is absent (a
 /// labelled series appears at its first use).
-pub fn find_metric(text: &str, name: &str) -> Option<f64> {
+pub(crate) fn find_metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find(|l| l.split_whitespace().next() == Some(name))
@@ -92,7 +92,7 @@ pub fn find_metric(text: &str, name: &str) -> Option<f64> {
 
 /// A JSON `body` POSTed to `http://{addr}{path}` (60 s timeout): the status and the answer
 /// (parsed, or as a string when it is not JSON).
-pub async fn post_json(addr: SocketAddr, path: &str, body: String) -> (u16, serde_json::Value) {
+pub(crate) async fn post_json(addr: SocketAddr, path: &str, body: String) -> (u16, serde_json::Value) {
     let r = reqwest::Client::new()
         .post(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
@@ -108,7 +108,7 @@ pub async fn post_json(addr: SocketAddr, path: &str, body: String) -> (u16, serd
 
 /// About `bytes` of text in words of 2–10 random lowercase letters (xorshift from `seed`),
 /// separated by spaces and now and then a newline: every word new work for the tokenizer.
-pub fn varied_words(bytes: usize, seed: u64) -> String {
+pub(crate) fn varied_words(bytes: usize, seed: u64) -> String {
     let mut x = seed | 1;
     let mut text = String::with_capacity(bytes + 16);
     while text.len() < bytes {

@@ -13,19 +13,19 @@ use std::sync::{Arc, OnceLock};
 
 use mac_decoder::tokenizer::Tokenizer;
 
-pub const N_BASE: usize = 163_584;
+pub(crate) const N_BASE: usize = 163_584;
 
-pub fn data_dir() -> PathBuf {
+pub(crate) fn data_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/k3_chat")
 }
 
-pub fn cases() -> serde_json::Value {
+pub(crate) fn cases() -> serde_json::Value {
     let text = std::fs::read_to_string(data_dir().join("k3-tokenizer-cases.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
 /// GPT-2 `bytes_to_unicode` order: rank i is byte `order[i]`.
-pub fn byte_order() -> Vec<u8> {
+pub(crate) fn byte_order() -> Vec<u8> {
     let mut v: Vec<u8> = (b'!'..=b'~').chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
     let rest: Vec<u8> = (0u8..=255).filter(|b| !v.contains(b)).collect();
     v.extend(rest);
@@ -33,7 +33,7 @@ pub fn byte_order() -> Vec<u8> {
 }
 
 /// Base-token bytes by rank (163,584 of them).
-pub fn ranks() -> Vec<Vec<u8>> {
+pub(crate) fn ranks() -> Vec<Vec<u8>> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(data_dir().join("partial_vocab.json")).unwrap()).unwrap();
     let mut ranks: Vec<Option<Vec<u8>>> = vec![None; N_BASE];
     for (i, b) in byte_order().into_iter().enumerate() {
@@ -51,12 +51,12 @@ pub fn ranks() -> Vec<Vec<u8>> {
     ranks.into_iter().enumerate().map(|(r, t)| t.unwrap_or_else(|| vec![0xF8, 0xF8, (r >> 16) as u8, (r >> 8) as u8, r as u8])).collect()
 }
 
-pub fn named_specials() -> BTreeMap<u32, String> {
+pub(crate) fn named_specials() -> BTreeMap<u32, String> {
     cases()["named_specials"].as_object().unwrap().iter().map(|(k, v)| (k.parse().unwrap(), v.as_str().unwrap().to_string())).collect()
 }
 
 /// The shared test tokenizer (built once per test binary).
-pub fn tokenizer() -> Arc<Tokenizer> {
+pub(crate) fn tokenizer() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| Arc::new(Tokenizer::from_parts(ranks(), &named_specials(), 256).unwrap())).clone()
 }

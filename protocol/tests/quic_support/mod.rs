@@ -14,12 +14,12 @@ use k3_protocol::transport::*;
 use k3_protocol::wire::*;
 use tokio::task::JoinHandle;
 
-pub const MODEL: Fingerprint = Fingerprint([0x4b; 32]);
+pub(crate) const MODEL: Fingerprint = Fingerprint([0x4b; 32]);
 
-pub use k3_protocol::process::init_test_logging as init_tracing;
+pub(crate) use k3_protocol::process::init_test_logging as init_tracing;
 
 /// Timeouts short enough for tests.
-pub fn test_tuning() -> Tuning {
+pub(crate) fn test_tuning() -> Tuning {
     Tuning {
         idle_timeout: Duration::from_secs(5),
         keep_alive: Duration::from_millis(500),
@@ -31,7 +31,7 @@ pub fn test_tuning() -> Tuning {
 }
 
 /// Two configs that pin each other's certificates.
-pub fn paired() -> (NodeConfig, NodeConfig) {
+pub(crate) fn paired() -> (NodeConfig, NodeConfig) {
     let s = NodeIdentity::generate().unwrap();
     let c = NodeIdentity::generate().unwrap();
     let mut server = NodeConfig::new(s.clone(), PeerAuth::pinned(c.fingerprint()), MODEL, "cpu");
@@ -43,13 +43,13 @@ pub fn paired() -> (NodeConfig, NodeConfig) {
     (server, client)
 }
 
-pub fn with_hooks(mut cfg: NodeConfig, hooks: FaultHooks) -> NodeConfig {
+pub(crate) fn with_hooks(mut cfg: NodeConfig, hooks: FaultHooks) -> NodeConfig {
     cfg.hooks = Arc::new(hooks);
     cfg
 }
 
 /// Deterministic finite values in [-0.5, 0.5) for (seed, layer, part).
-pub fn fill(seed: u64, n: usize) -> Vec<f32> {
+pub(crate) fn fill(seed: u64, n: usize) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
     (0..n)
         .map(|_| {
@@ -62,7 +62,7 @@ pub fn fill(seed: u64, n: usize) -> Vec<f32> {
 }
 
 /// A layer of `layout` filled from `seed`.
-pub fn make_layer(layout: &LayerLayout, seed: u64) -> LayerState {
+pub(crate) fn make_layer(layout: &LayerLayout, seed: u64) -> LayerState {
     match *layout {
         LayerLayout::Kda { heads, head_dim, window } => {
             let (h, d, w) = (heads as usize, head_dim as usize, window as usize);
@@ -80,7 +80,7 @@ pub fn make_layer(layout: &LayerLayout, seed: u64) -> LayerState {
 }
 
 /// A small K3-shaped layout: `kda` KDA layers then interleaved MLA layers of `rows` rows.
-pub fn small_layout(rows: u64) -> StateLayout {
+pub(crate) fn small_layout(rows: u64) -> StateLayout {
     let mut layers = Vec::new();
     for l in 0..9 {
         if l % 3 == 2 {
@@ -95,7 +95,7 @@ pub fn small_layout(rows: u64) -> StateLayout {
 /// K3's real per-layer shapes (spec §4: 69 KDA layers [96,128,128] + conv windows 3×[3,12288],
 /// 24 MLA layers of width 576, fp32), with the MLA row count chosen so the whole state is about
 /// `bytes` (at least one row).
-pub fn k3_layout_of_size(bytes: u64) -> StateLayout {
+pub(crate) fn k3_layout_of_size(bytes: u64) -> StateLayout {
     let kda = LayerLayout::Kda { heads: 96, head_dim: 128, window: 3 };
     let kda_bytes = 69 * kda.nbytes().unwrap();
     let rows = (bytes.saturating_sub(kda_bytes) / (24 * 576 * 4)).max(1);
@@ -114,14 +114,14 @@ pub fn k3_layout_of_size(bytes: u64) -> StateLayout {
     StateLayout { layers }
 }
 
-pub fn state_of(layout: &StateLayout, seed: u64) -> HandoffState {
+pub(crate) fn state_of(layout: &StateLayout, seed: u64) -> HandoffState {
     HandoffState {
         tokens: layout.rows().unwrap_or(0) as usize,
         layers: layout.layers.iter().enumerate().map(|(l, ly)| make_layer(ly, seed * 1000 + l as u64)).collect(),
     }
 }
 
-pub fn request(tokens: usize, streams: u16, chunk_bytes: u32) -> PrefillRequest {
+pub(crate) fn request(tokens: usize, streams: u16, chunk_bytes: u32) -> PrefillRequest {
     PrefillRequest {
         session: SessionId::random(),
         base: None,
@@ -133,7 +133,7 @@ pub fn request(tokens: usize, streams: u16, chunk_bytes: u32) -> PrefillRequest 
 
 /// What the test server does with each request.
 #[derive(Clone)]
-pub enum Behaviour {
+pub(crate) enum Behaviour {
     /// Send every layer of `state_of(layout, seed)`, layer by layer, with progress.
     Serve {
         seed: u64,
@@ -145,7 +145,7 @@ pub enum Behaviour {
 
 /// Spawns a server that serves one connection with `behaviour` for each request, returning
 /// each request's outcome.
-pub async fn spawn_server(cfg: NodeConfig, behaviour: Behaviour) -> (SocketAddr, Arc<PrefillServer>, JoinHandle<Vec<Result<Timing, TransferError>>>) {
+pub(crate) async fn spawn_server(cfg: NodeConfig, behaviour: Behaviour) -> (SocketAddr, Arc<PrefillServer>, JoinHandle<Vec<Result<Timing, TransferError>>>) {
     let server = Arc::new(PrefillServer::bind("127.0.0.1:0".parse().unwrap(), cfg).unwrap());
     let addr = server.local_addr();
     let srv = server.clone();
@@ -176,7 +176,7 @@ pub async fn spawn_server(cfg: NodeConfig, behaviour: Behaviour) -> (SocketAddr,
 
 /// Requests of up to 100k tokens get `small_layout(tokens)`; bigger ones (bulk tests) name
 /// the state size in MiB as their token count minus 100k, and get `k3_layout_of_size`.
-pub fn small_or_bulk_layout(tokens: u64) -> StateLayout {
+pub(crate) fn small_or_bulk_layout(tokens: u64) -> StateLayout {
     if tokens <= 100_000 {
         small_layout(tokens)
     } else {
@@ -184,7 +184,7 @@ pub fn small_or_bulk_layout(tokens: u64) -> StateLayout {
     }
 }
 
-pub async fn serve_one(req: IncomingRequest, layout: StateLayout, behaviour: Behaviour) -> Result<Timing, TransferError> {
+pub(crate) async fn serve_one(req: IncomingRequest, layout: StateLayout, behaviour: Behaviour) -> Result<Timing, TransferError> {
     match behaviour {
         Behaviour::Refuse(code) => {
             req.refuse(code, "test refusal").await?;
@@ -211,7 +211,7 @@ pub async fn serve_one(req: IncomingRequest, layout: StateLayout, behaviour: Beh
 
 /// A UDP relay between a client and a server on loopback; `cut()` drops every packet from
 /// then on (a pulled cable); `cut_after` cuts once that many bytes went server → client.
-pub struct UdpRelay {
+pub(crate) struct UdpRelay {
     pub addr: SocketAddr,
     pub cut: Arc<AtomicBool>,
     pub to_client: Arc<AtomicU64>,
@@ -225,7 +225,7 @@ impl Drop for UdpRelay {
 }
 
 impl UdpRelay {
-    pub async fn start(server: SocketAddr, cut_after: Option<u64>) -> UdpRelay {
+    pub(crate) async fn start(server: SocketAddr, cut_after: Option<u64>) -> UdpRelay {
         let front = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
         let back = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
         back.connect(server).await.unwrap();
