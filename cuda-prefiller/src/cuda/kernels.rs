@@ -472,6 +472,12 @@ pub struct MlaBlock {
     pub st: P,
 }
 
+/// The parameters both MLA attention kernels take after their operands: the output, the
+/// queries' rows and positions, the heads, the key block and the softmax scale.
+fn mla_call_args(a: KArgs, out: P, os: usize, tq: usize, pos0: usize, h: usize, b: MlaBlock, scale: f32) -> KArgs {
+    a.arg(out).arg(os as i64).arg(tq as i32).arg(pos0 as i32).arg(h as i32).arg(b.kbase as i32).arg(b.nk as i32).arg(b.kld as i32).arg(b.st).arg(scale)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attn_bf16(
     gpu: &Gpu,
@@ -490,20 +496,7 @@ pub fn mla_attn_bf16(
 ) -> Result<()> {
     let f = gpu.func("mla_attn", &mla_defines(dqk, dv), "mla_attn_bf16")?;
     let smem = (2 * 64 * ((dqk + 8) + (dv + 8)) * 2) as u32;
-    let mut a = KArgs::new()
-        .arg(qb)
-        .arg(kb)
-        .arg(vb)
-        .arg(out)
-        .arg(os as i64)
-        .arg(tq as i32)
-        .arg(pos0 as i32)
-        .arg(h as i32)
-        .arg(b.kbase as i32)
-        .arg(b.nk as i32)
-        .arg(b.kld as i32)
-        .arg(b.st)
-        .arg(scale);
+    let mut a = mla_call_args(KArgs::new().arg(qb).arg(kb).arg(vb), out, os, tq, pos0, h, b, scale);
     gpu.launch(f, (blocks(tq, 128)?, h as u32, 1), (256, 1, 1), smem, &mut a, "mla_attn_bf16")
 }
 
@@ -645,21 +638,7 @@ pub fn mla_attn_sm90(
     }
     let f = gpu.func("mla_attn_sm90", &mla_defines(dqk, dv), var.name)?;
     let smem = var.smem(dqk, dv) as u32;
-    let mut a = KArgs::new()
-        .arg(qb)
-        .arg(kb)
-        .arg(vt)
-        .arg(vt_ld as i64)
-        .arg(out)
-        .arg(os as i64)
-        .arg(tq as i32)
-        .arg(pos0 as i32)
-        .arg(h as i32)
-        .arg(b.kbase as i32)
-        .arg(b.nk as i32)
-        .arg(b.kld as i32)
-        .arg(b.st)
-        .arg(scale);
+    let mut a = mla_call_args(KArgs::new().arg(qb).arg(kb).arg(vt).arg(vt_ld as i64), out, os, tq, pos0, h, b, scale);
     let rows = 64 * var.warpgroups;
     gpu.launch(f, (blocks(tq, rows)?, h as u32, 1), ((128 * var.warpgroups) as u32, 1, 1), smem, &mut a, var.name)
 }
